@@ -1,0 +1,140 @@
+"""Command-line entry points: `dspark-export` (conversion) and `dspark` (run, bench, train, calibrate, demo).
+
+Heavy imports (torch, transformers, onnx) happen inside the commands that need them, so `dspark run` on a
+bundle stays torch-free and `--help` is instant.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from dspark.errors import DSparkError
+
+DEV_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "prompts" / "dev.jsonl"
+
+
+class FriendlyGroup(click.Group):
+    """Turns DSparkError and the usual file errors into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DSparkError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            click.echo(f"error: {e.strerror}: {e.filename}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+def read_prompts(path: Path, limit: int | None = None, domain: str | None = None) -> list[dict]:
+    """JSONL rows with a 'prompt' (or DeepSpec 'turns') field."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise DSparkError(f"prompt file {path} not found") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise DSparkError(f"{path}:{i} is not valid JSON") from None
+        if "prompt" not in row and row.get("turns"):
+            row["prompt"] = row["turns"][0]
+        if not isinstance(row.get("prompt"), str):
+            raise DSparkError(f"{path}:{i} has no 'prompt' string")
+        if domain is None or row.get("domain") == domain:
+            rows.append(row)
+    return rows[:limit] if limit else rows
+
+
+def default_dev_prompts() -> Path:
+    for candidate in (Path("../shared/data/prompts/dev.jsonl"), DEV_PROMPTS):
+        if candidate.exists():
+            return candidate.resolve()
+    raise DSparkError("no dev prompts found: pass --prompts FILE (JSONL with a 'prompt' field)")
+
+
+# ------------------------------------------------------------------------------------------------ dspark-export
+
+
+@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def export_cli():
+    """Convert a target LLM and a DSpark draft into a deployable bundle (ONNX graphs, manifest, tokenizer)."""
+
+
+# ------------------------------------------------------------------------------------------------------ dspark
+
+
+@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main_cli():
+    """Run DSpark speculative decoding: run, bench, train, calibrate, demo."""
+
+
+@main_cli.command("reference")
+@click.option("--target", default="smollm2-135m", show_default=True, help="HF folder, .gguf file or short name.")
+@click.option("--draft", default="random", show_default=True,
+              help="DeepSpec checkpoint folder, short name, or 'random[:SEED]' (untrained).")
+@click.option("--prompt", help="Prompt text (default: the first dev prompt).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Verify only the prefix whose calibrated survival reaches this value (0 = verify all).")
+@click.option("--check-ar/--no-check-ar", default=True, show_default=True,
+              help="Also decode autoregressively and compare (greedy: token for token).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, threshold, check_ar, as_json):
+    """DSpark decoding with the PyTorch reference (batch 1), compared with autoregressive decoding."""
+    import time
+
+    from dspark.models.pair import load_pair
+    from dspark.models.reference import generate_ar, generate_dspark
+    from dspark.tokenizer import ChatTokenizer
+
+    pair = load_pair(target, draft, seed)
+    tok = ChatTokenizer(pair.loaded.folder)
+    if prompt is None:
+        prompt = read_prompts(default_dev_prompts(), limit=1)[0]["prompt"]
+    ids = tok.encode_chat(prompt)
+    t0 = time.perf_counter()
+    ds = generate_dspark(pair.target, pair.drafter, [ids], max_new_tokens, temperature, seed, tok.stop_ids,
+                         threshold)[0]
+    ds_s = time.perf_counter() - t0
+    out = {"prompt": prompt, "text": tok.decode(ds.token_ids), "token_ids": ds.token_ids, "tau": round(ds.tau, 3),
+           "rounds": ds.rounds, "dspark_s": round(ds_s, 2), "draft": draft}
+    if check_ar:
+        t0 = time.perf_counter()
+        ar = generate_ar(pair.target, [ids], max_new_tokens, temperature, seed, tok.stop_ids)[0]
+        out["ar_s"] = round(time.perf_counter() - t0, 2)
+        out["equals_ar"] = ar.token_ids == ds.token_ids
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"prompt: {prompt}\n\n{out['text']}\n")
+    click.echo(f"tau {out['tau']:.2f} over {ds.rounds} rounds, {len(ds.token_ids)} tokens in {ds_s:.1f}s")
+    if check_ar:
+        verdict = "equals" if out["equals_ar"] else "DIFFERS FROM"
+        click.echo(f"DSpark output {verdict} the autoregressive output ({'greedy' if temperature == 0 else 'sampled'})")
+        if temperature == 0 and not out["equals_ar"]:
+            sys.exit(1)
+
+
+@main_cli.command("demo")
+@click.pass_context
+def demo_cmd(ctx):
+    """The reference DSpark decode of a dev prompt on SmolLM2-135M-Instruct, checked against AR decoding."""
+    ctx.invoke(reference_cmd, target="smollm2-135m", draft="random", prompt=None, max_new_tokens=64,
+               temperature=0.0, seed=0, threshold=0.0, check_ar=True, as_json=False)
+
+
+if __name__ == "__main__":
+    main_cli()

@@ -1,0 +1,111 @@
+"""DeepSpec draft checkpoints: config.json + model.safetensors (reference §4). Safetensors only, strict checks."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dspark.errors import DSparkError
+from dspark.models.config import DraftConfig, TargetConfig
+from dspark.models.drafter import DSparkDrafter
+from dspark.resolve import resolve_draft
+
+WEIGHTS = "model.safetensors"
+SHARED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def read_draft_config(folder: Path) -> DraftConfig:
+    path = folder / "config.json"
+    if not path.exists():
+        raise DSparkError(f"draft folder {folder} has no config.json (expected a DeepSpec checkpoint)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DSparkError(f"draft config {path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise DSparkError(f"draft config {path} is not a JSON object")
+    return DraftConfig.from_dict(raw)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        pickles = [p.name for p in path.parent.glob("*.bin")] + [p.name for p in path.parent.glob("*.pt")]
+        hint = f" ({', '.join(pickles)} are pickles and are never loaded)" if pickles else ""
+        raise DSparkError(f"draft folder {path.parent} has no {WEIGHTS}{hint}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DSparkError(f"draft weights {path} are corrupt or not safetensors ({str(e).splitlines()[0]})") from None
+
+
+def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
+    fc = found.get("fc.weight")
+    want_fc = tuple(expected["fc.weight"].shape)
+    if fc is not None and tuple(fc.shape) != want_fc:
+        raise DSparkError(f"draft fc.weight is {list(fc.shape)} but {cfg.num_taps} target_layer_ids x hidden "
+                          f"{cfg.hidden_size} need {list(want_fc)}")
+    missing = [k for k in expected if k not in found and k not in SHARED]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise DSparkError(f"draft checkpoint is missing {', '.join(missing[:3])}{more}")
+    unexpected = [k for k in found if k not in expected]
+    if unexpected:
+        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise DSparkError(f"draft checkpoint has unexpected keys {', '.join(unexpected[:3])}{more} "
+                          f"(does config.json match the weights?)")
+    for k, t in found.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise DSparkError(f"draft {k} has shape {list(t.shape)}, config.json implies {list(expected[k].shape)}")
+
+
+def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
+               embed_tokens: torch.nn.Embedding | None = None, lm_head: torch.nn.Linear | None = None,
+               dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+    """Load a DeepSpec draft. With a target, the draft must fit it and shares its embedding and LM head;
+    without one, the checkpoint must carry embed_tokens/lm_head itself."""
+    folder = resolve_draft(str(name_or_path))
+    cfg = read_draft_config(folder)
+    if target is not None:
+        cfg.check_fits(target)
+    with torch.device("meta"):
+        shape_model = DSparkDrafter(cfg)
+    expected = shape_model.state_dict()
+    found = _read_tensors(folder / WEIGHTS)
+    _check_state(expected, found, cfg)
+    if embed_tokens is None or lm_head is None:
+        absent = [k for k in SHARED if k not in found]
+        if absent:
+            raise DSparkError(f"draft checkpoint stores no {', '.join(absent)}: load it together with its target")
+    drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=lm_head).to(dtype)
+    own = {k: v.to(dtype) for k, v in found.items() if not (k in SHARED and embed_tokens is not None)}
+    drafter.load_state_dict(own, strict=False)
+    return drafter.eval()
+
+
+def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = False,
+               dtype: torch.dtype = torch.bfloat16, overwrite: bool = True) -> Path:
+    """Write config.json + model.safetensors atomically (a temporary folder renamed into place)."""
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise DSparkError(f"{folder} exists; pass --force to overwrite")
+    state = drafter.state_dict() if include_shared else drafter.trainable_state_dict()
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -1,0 +1,242 @@
+"""Dimensions of the target and the draft, read from their config.json files."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dspark.errors import DSparkError
+
+SUPPORTED_FAMILIES = ("llama", "qwen3")
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters in the transformers 5 layout (older configs keep rope_theta/rope_scaling at top level)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type") or "default"
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise DSparkError(f"rope_type {rope['rope_type']!r} is not supported (supported: default, llama3)")
+    return rope
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: dict[str, Any] = field(compare=False, hash=False)
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "TargetConfig":
+        family = cfg.get("model_type")
+        if family not in SUPPORTED_FAMILIES:
+            raise DSparkError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return cls(
+            family=family,
+            hidden_size=d,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or d // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope=_rope(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The DSpark fields of a DeepSpec draft config.json plus the layer geometry it inherits."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: dict[str, Any] = field(compare=False, hash=False)
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    # Sequential Temperature Scaling: one temperature per block position (1.0 = uncalibrated).
+    confidence_temperatures: tuple[float, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def conf_in_features(self) -> int:
+        return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
+
+    @property
+    def sts_temperatures(self) -> tuple[float, ...]:
+        return self.confidence_temperatures or (1.0,) * self.block_size
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+        archs = cfg.get("architectures") or []
+        if not any(a.endswith("DSparkModel") for a in archs):
+            raise DSparkError(f"not a DSpark draft config (architectures={archs!r}, expected e.g. ['Qwen3DSparkModel'])")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size", "rms_norm_eps", "target_layer_ids", "block_size", "mask_token_id",
+                               "num_target_layers") if k not in cfg]
+        if missing:
+            raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
+        d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        rank = int(cfg.get("markov_rank", 0) or 0)
+        enable_conf = bool(cfg.get("enable_confidence_head", False))
+        with_markov = bool(cfg.get("confidence_head_with_markov", rank > 0))
+        out = cls(
+            hidden_size=d,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or d // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope=_rope(cfg),
+            num_target_layers=int(cfg["num_target_layers"]),
+            target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
+            block_size=int(cfg["block_size"]),
+            mask_token_id=int(cfg["mask_token_id"]),
+            markov_rank=rank,
+            markov_head_type=str(cfg.get("markov_head_type", "vanilla")),
+            enable_confidence_head=enable_conf,
+            confidence_head_with_markov=with_markov,
+            confidence_temperatures=tuple(float(t) for t in cfg.get("confidence_temperatures") or ()),
+            extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
+        )
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        ids = list(self.target_layer_ids)
+        if not ids or ids != sorted(set(ids)) or ids[0] < -1:
+            raise DSparkError(f"draft target_layer_ids {ids} must be strictly increasing ids >= -1")
+        if self.markov_head_type not in MARKOV_TYPES:
+            raise DSparkError(f"draft markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_TYPES)}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            raise DSparkError("draft config asks for confidence_head_with_markov but markov_rank is 0")
+        if self.confidence_temperatures and len(self.confidence_temperatures) != self.block_size:
+            raise DSparkError(f"draft confidence_temperatures has {len(self.confidence_temperatures)} entries, "
+                              f"block_size is {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DSparkError(f"draft mask_token_id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json DeepSpec's loader reads (Qwen3DSparkModel fields), plus our optional extras."""
+        cfg: dict[str, Any] = dict(self.extra)
+        cfg.update(
+            architectures=["Qwen3DSparkModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope),
+            attention_bias=False,
+            hidden_act="silu",
+            tie_word_embeddings=False,
+            layer_types=["full_attention"] * self.num_layers,
+            num_target_layers=self.num_target_layers,
+            target_layer_ids=list(self.target_layer_ids),
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            enable_confidence_head=self.enable_confidence_head,
+            markov_rank=self.markov_rank,
+        )
+        if self.enable_confidence_head:
+            cfg["confidence_head_with_markov"] = self.confidence_head_with_markov
+        if self.markov_rank > 0:
+            cfg["markov_head_type"] = self.markov_head_type
+        if self.confidence_temperatures:
+            cfg["confidence_temperatures"] = list(self.confidence_temperatures)
+        return cfg
+
+    def check_fits(self, target: TargetConfig) -> None:
+        """Refuse a draft that cannot run against this target, naming the first thing that differs."""
+        checks = [
+            ("hidden_size", self.hidden_size, target.hidden_size),
+            ("vocab_size", self.vocab_size, target.vocab_size),
+            ("num_target_layers", self.num_target_layers, target.num_layers),
+        ]
+        for name, ours, theirs in checks:
+            if ours != theirs:
+                raise DSparkError(f"draft does not fit the target: draft {name}={ours}, target has {theirs}")
+        last = target.num_layers - 1
+        for i in self.target_layer_ids:
+            if i >= last:
+                what = "is the target's last layer" if i == last else f"is beyond the target's {target.num_layers} layers"
+                raise DSparkError(f"draft does not fit the target: target_layer_id {i} {what} (allowed: -1..{last - 1})")
+
+
+_DRAFT_KEYS = {
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "attention_bias",
+    "hidden_act", "tie_word_embeddings", "layer_types", "num_target_layers", "target_layer_ids", "block_size",
+    "mask_token_id", "enable_confidence_head", "confidence_head_with_markov", "markov_rank", "markov_head_type",
+    "confidence_temperatures",
+}
+
+
+def default_tap_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """Evenly spread taps from layer 1 to layer L-3, as DeepSpec's configs do ([1, 9, 17, 25, 33] for 36 layers)."""
+    last = num_target_layers - 3
+    if last <= 1:
+        return tuple(range(-1, num_target_layers - 1))[-count:]
+    ids = sorted({1 + round(i * (last - 1) / (count - 1)) for i in range(count)})
+    return tuple(ids)
+
+
+def draft_config_for(target: TargetConfig, *, mask_token_id: int, num_layers: int = 1, block_size: int = 7,
+                     target_layer_ids: tuple[int, ...] | None = None, markov_rank: int = 64,
+                     markov_head_type: str = "vanilla", confidence_head: bool = True,
+                     intermediate_size: int | None = None) -> DraftConfig:
+    """A new DSpark draft config whose geometry and RoPE follow the target (as DeepSpec's configs do)."""
+    cfg = DraftConfig(
+        hidden_size=target.hidden_size,
+        num_layers=num_layers,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope=dict(target.rope),
+        num_target_layers=target.num_layers,
+        target_layer_ids=tuple(target_layer_ids or default_tap_ids(target.num_layers)),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
+        enable_confidence_head=confidence_head,
+        confidence_head_with_markov=markov_rank > 0,
+    )
+    cfg.validate()
+    cfg.check_fits(target)
+    return cfg

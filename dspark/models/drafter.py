@@ -1,0 +1,247 @@
+"""The DSpark drafter: parallel block backbone, sequential (Markov) head and confidence head.
+
+Module and parameter names follow DeepSpec's Qwen3DSparkModel so state dicts load unchanged
+(dspark-reference.md §1-§4). The embedding and LM head are the target's, shared, never trained.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.models.config import DraftConfig
+from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
+from dspark.models.sampling import prefix_survival, sample, token_probs
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.scaling = hd ** -0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> K (k_norm + RoPE), V: [B, Hkv, T, hd]."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        return apply_rope(k, cos, sin), split_heads(self.v_proj(x), self.head_dim)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class MarkovHead(nn.Module):
+    """Bias B(x_{k-1}, .) added to the base logits before temperature (reference §2)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        r, d, v = cfg.markov_rank, cfg.hidden_size, cfg.vocab_size
+        self.kind = cfg.markov_head_type
+        self.rank = r
+        self.markov_w1 = nn.Embedding(v, r)
+        self.markov_w2 = nn.Linear(r, v, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(d + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
+        """One position: prev tokens [...], h [..., d], RNN state [..., r] -> (bias [..., V], e = W1[prev], new state)."""
+        e = self.markov_w1(prev)
+        if self.kind == "vanilla":
+            return self.markov_w2(e), e, state
+        if self.kind == "gated":
+            g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+            return self.markov_w2(g * e), e, state
+        if state is None:
+            state = torch.zeros_like(e)
+        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        z = torch.sigmoid(gate)
+        new_state = z * state + (1 - z) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), e, new_state
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return self.proj(f).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    tokens: torch.Tensor  # [B, Bk] sampled d_1..d_Bk
+    probs: torch.Tensor  # [B, Bk, V] draft distribution each token was sampled from
+    conf_logits: torch.Tensor  # [B, Bk] pre-token confidence logits (zeros when the head is absent)
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_tokens: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
+        super().__init__()
+        self.cfg = cfg
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(v, d)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(d, v, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg) if cfg.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(cfg.conf_in_features) if cfg.enable_confidence_head else None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("sts_temperatures", torch.tensor(cfg.sts_temperatures, dtype=torch.float32),
+                             persistent=False)
+
+    # -- backbone ---------------------------------------------------------------------------------------------
+
+    def block_inputs(self, anchor: torch.Tensor) -> torch.Tensor:
+        """[anchor, mask x (Bk-1)] embeddings: [B, Bk, d]."""
+        ids = torch.full((anchor.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=anchor.dtype,
+                         device=anchor.device)
+        ids = torch.cat([anchor[:, None], ids[:, 1:]], dim=1)
+        return self.embed_tokens(ids)
+
+    def backbone(
+        self,
+        ctx_features: torch.Tensor,
+        ctx_count: torch.Tensor,
+        anchor: torch.Tensor,
+        past_mask: torch.Tensor,
+        draft_kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Incremental parallel draft of one block per request.
+
+        ctx_features [B, C, m*d]: target taps of positions the draft has not seen (rows >= ctx_count[b] are padding);
+        anchor [B]: last committed token, at position cache_len + ctx_count; past_mask [B, S]: valid prefix of the
+        draft's context K/V cache draft_kv [Ld, 2, B, Hkv, cap, hd]. Block queries see every cached and new context
+        position (all strictly before the anchor) and the whole block, in both directions.
+        Returns block hidden states [B, Bk, d] (after `norm`) and the new context K/V [Ld, 2, B, Hkv, C, hd].
+        """
+        b, c, _ = ctx_features.shape
+        bk = self.cfg.block_size
+        s = past_mask.shape[1]
+        past_valid = past_mask.bool()
+        cache_len = past_valid.sum(dim=1)
+        ar_c = torch.arange(c, device=anchor.device)
+        ctx_pos = cache_len[:, None] + ar_c[None, :]
+        blk_pos = (cache_len + ctx_count)[:, None] + torch.arange(bk, device=anchor.device)[None, :]
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        x = self.block_inputs(anchor)
+        ccos, csin = rope_cos_sin(ctx_pos, self.inv_freq, x.dtype)
+        bcos, bsin = rope_cos_sin(blk_pos, self.inv_freq, x.dtype)
+        masks = [past_valid[:, None, None, None, :], (ar_c[None, :] < ctx_count[:, None])[:, None, None, None, :],
+                 torch.ones(1, 1, 1, 1, bk, dtype=torch.bool, device=anchor.device)]
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            u = layer.input_layernorm(x)
+            k_ctx, v_ctx = attn.project_kv(ctx, ccos, csin)
+            k_blk, v_blk = attn.project_kv(u, bcos, bsin)
+            q = attn.project_q(u, bcos, bsin)
+            keys = [draft_kv[i, 0, :, :, :s], k_ctx, k_blk]
+            values = [draft_kv[i, 1, :, :, :s], v_ctx, v_blk]
+            x = x + attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            new_kv.append(torch.stack([k_ctx, v_ctx]))
+        return self.norm(x), torch.stack(new_kv)
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        dtype = dtype or self.fc.weight.dtype
+        return torch.zeros(cfg.num_layers, 2, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=dtype)
+
+    # -- sequential heads -------------------------------------------------------------------------------------
+
+    def confidence_features(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        return torch.cat([h, e], dim=-1) if self.cfg.confidence_head_with_markov else h
+
+    def sample_block(self, hidden: torch.Tensor, anchor: torch.Tensor, temperature: torch.Tensor,
+                     noise: torch.Tensor) -> DraftBlock:
+        """Left-to-right over the block: logits_k = U_k + Markov bias(x_{k-1}), sample d_k, feed it forward.
+
+        hidden [B, Bk, d], anchor [B], temperature [B], noise [B, Bk] uniforms in (0, 1].
+        """
+        base = self.lm_head(hidden)
+        prev, state = anchor, None
+        tokens, probs, confs = [], [], []
+        for k in range(self.cfg.block_size):
+            h = hidden[:, k]
+            logits, e = base[:, k], None
+            if self.markov_head is not None:
+                bias, e, state = self.markov_head.step(prev, h, state)
+                logits = logits + bias
+            if self.confidence_head is not None:
+                confs.append(self.confidence_head(self.confidence_features(h, e)))
+            p = token_probs(logits, temperature)
+            prev = sample(p, noise[:, k])
+            tokens.append(prev)
+            probs.append(p)
+        conf = torch.stack(confs, dim=1) if confs else torch.zeros_like(noise)
+        return DraftBlock(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1), conf_logits=conf)
+
+    def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """Calibrated prefix survival; without a confidence head every prefix is 'certain' (1.0)."""
+        if self.confidence_head is None:
+            return torch.ones_like(conf_logits, dtype=torch.float32)
+        return prefix_survival(conf_logits, self.sts_temperatures)
+
+    # -- teacher-forced heads (training) ----------------------------------------------------------------------
+
+    def teacher_forced_heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, Bk, d], prev_tokens [N, Bk] = [anchor, y_1..y_{Bk-1}] -> corrected logits [N, Bk, V],
+        confidence logits [N, Bk]."""
+        logits = self.lm_head(hidden)
+        e = None
+        if self.markov_head is not None:
+            mh = self.markov_head
+            if mh.kind == "rnn":
+                state, biases, es = None, [], []
+                for k in range(hidden.shape[1]):
+                    bias, ek, state = mh.step(prev_tokens[:, k], hidden[:, k], state)
+                    biases.append(bias)
+                    es.append(ek)
+                bias, e = torch.stack(biases, 1), torch.stack(es, 1)
+            else:
+                bias, e, _ = mh.step(prev_tokens, hidden, None)
+            logits = logits + bias
+        if self.confidence_head is None:
+            return logits, torch.zeros(hidden.shape[:2], dtype=hidden.dtype, device=hidden.device)
+        return logits, self.confidence_head(self.confidence_features(hidden, e))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+
+
+def init_weights(drafter: DSparkDrafter, std: float = 0.02) -> None:
+    """HF-style init of the drafter's own weights (Linear/Embedding ~ N(0, std), biases 0, norms 1);
+    the shared embedding and LM head are left alone."""
+    for name, m in drafter.named_modules():
+        if name in ("embed_tokens", "lm_head"):
+            continue
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)

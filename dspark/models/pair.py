@@ -1,0 +1,65 @@
+"""Load a target and its drafter together (the drafter shares the target's embedding and LM head)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models.checkpoint import load_draft
+from dspark.models.config import draft_config_for
+from dspark.models.drafter import DSparkDrafter, init_weights
+from dspark.models.target import LoadedTarget, TargetModel, load_target
+
+RANDOM = "random"
+
+
+@dataclass
+class Pair:
+    loaded: LoadedTarget
+    target: TargetModel
+    drafter: DSparkDrafter
+    draft_source: str
+
+
+def choose_mask_token(loaded: LoadedTarget) -> int:
+    """DeepSpec uses an embedding row the tokenizer never emits (Qwen3: the first id past the tokenizer).
+    Where the tokenizer fills the vocabulary, take its highest special token that is not a chat/stop marker."""
+    vocab = loaded.config.vocab_size
+    tok = json.loads((loaded.folder / "tokenizer.json").read_text())
+    n_tokens = len(tok["model"]["vocab"]) + sum(1 for t in tok.get("added_tokens", []) if t["id"] >= len(tok["model"]["vocab"]))
+    if n_tokens < vocab:
+        return n_tokens
+    template = ""
+    for name in ("chat_template.jinja",):
+        if (loaded.folder / name).exists():
+            template = (loaded.folder / name).read_text()
+    reserved = {loaded.hf_model.config.bos_token_id, loaded.hf_model.config.eos_token_id,
+                loaded.hf_model.config.pad_token_id}
+    specials = [t for t in tok.get("added_tokens", []) if t.get("special") and t["id"] not in reserved
+                and t["content"] not in template]
+    if not specials:
+        raise ValueError("no spare token for the draft's mask slot; pass --mask-token-id")
+    return max(t["id"] for t in specials)
+
+
+def random_drafter(loaded: LoadedTarget, seed: int = 0, **kw) -> DSparkDrafter:
+    cfg = draft_config_for(loaded.config, mask_token_id=kw.pop("mask_token_id", None) or choose_mask_token(loaded), **kw)
+    body = loaded.hf_model
+    drafter = DSparkDrafter(cfg, embed_tokens=body.model.embed_tokens, lm_head=body.lm_head)
+    torch.manual_seed(seed)
+    init_weights(drafter)
+    return drafter.eval()
+
+
+def load_pair(target: str, draft: str, seed: int = 0) -> Pair:
+    """`draft` is a checkpoint folder, a short name, or 'random' / 'random:SEED' (an untrained drafter)."""
+    loaded = load_target(target)
+    if draft == RANDOM or draft.startswith(RANDOM + ":"):
+        seed = int(draft.split(":", 1)[1]) if ":" in draft else seed
+        drafter = random_drafter(loaded, seed)
+    else:
+        body = loaded.hf_model
+        drafter = load_draft(draft, loaded.config, body.model.embed_tokens, body.lm_head)
+    return Pair(loaded=loaded, target=loaded.wrapper(drafter.cfg.target_layer_ids), drafter=drafter,
+                draft_source=draft)

@@ -1,0 +1,184 @@
+"""PyTorch reference decoding: autoregressive and DSpark (reference §5), for a batch of requests.
+
+Everything the ONNX bundle and the runtime do is checked against these loops. Batch 1 is the reference
+evaluator's setting; larger batches run requests of different lengths side by side (per-request cache
+lengths, padded blocks), which the lossless-sampling tests use to draw tens of thousands of samples at once.
+
+Noise is consumed in a fixed order per step, so a runtime drawing from the same seed makes the same choices:
+prefill: accept [B, 1], sample [B]; each DSpark round: draft [B, Bk], accept [B, T], sample [B].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dspark.errors import DSparkError
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.sampling import token_probs, verify
+from dspark.models.target import TargetModel
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int] = field(default_factory=list)
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
+    proposed: list[int] = field(default_factory=list)  # drafts sent to verification per round
+    committed: list[int] = field(default_factory=list)  # tokens committed per round (tau of the round)
+    stopped: bool = False  # ended on a stop token (vs max_new_tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round including the bonus/correction token (the paper's tau)."""
+        return float(np.mean(self.committed)) if self.committed else 0.0
+
+
+class Noise:
+    """Uniforms in (0, 1] from a seeded numpy generator; the runtime draws them the same way."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, *shape: int) -> torch.Tensor:
+        return torch.from_numpy((1.0 - self.rng.random(shape)).astype(np.float32))
+
+
+def _mask(lengths: list[int]) -> torch.Tensor:
+    width = max(lengths) if lengths else 0
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
+
+
+def _write(cache: torch.Tensor, new: torch.Tensor, at: list[int], count: list[int]) -> None:
+    cap = cache.shape[-2]
+    for b, (start, n) in enumerate(zip(at, count)):
+        if start + new.shape[-2] > cap:
+            raise DSparkError(f"context overflow: {start + new.shape[-2]} positions exceed the KV capacity {cap}")
+        cache[:, :, b, :, start:start + n] = new[:, :, b, :, :n]
+
+
+def _pad(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+
+def _prefill(target: TargetModel, prompts: list[list[int]], kv: torch.Tensor, temp: torch.Tensor, noise: Noise):
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise DSparkError("empty prompt: give at least one token")
+    b = len(prompts)
+    step = target(_pad(prompts), _mask([0] * b), kv)
+    _write(kv, step.new_kv, [0] * b, lengths)
+    last = step.hidden[torch.arange(b), torch.tensor(lengths) - 1][:, None]
+    probs = token_probs(target.logits(last), temp)
+    zero = torch.zeros(b, dtype=torch.int64)
+    _, first = verify(probs, zero[:, None], probs, zero, noise(b, 1), noise(b))
+    return step, first, lengths
+
+
+@torch.no_grad()
+def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                seed: int = 0, stop_ids: tuple[int, ...] = (), capacity: int | None = None) -> list[DecodeResult]:
+    noise = Noise(seed)
+    b = len(prompts)
+    kv = target.new_cache(b, capacity or max(map(len, prompts)) + max_new_tokens + 1)
+    temp = torch.full((b,), float(temperature))
+    zero = torch.zeros(b, dtype=torch.int64)
+    _, nxt, cache_len = _prefill(target, prompts, kv, temp, noise)
+    results = [DecodeResult() for _ in range(b)]
+    live = [True] * b
+    while True:
+        for i in range(b):
+            if live[i]:
+                tok = int(nxt[i])
+                results[i].token_ids.append(tok)
+                if tok in stop_ids:
+                    results[i].stopped, live[i] = True, False
+                elif len(results[i].token_ids) >= max_new_tokens:
+                    live[i] = False
+        if not any(live):
+            break
+        step = target(nxt[:, None], _mask(cache_len), kv)
+        _write(kv, step.new_kv, cache_len, [1] * b)
+        cache_len = [n + 1 if live[i] else n for i, n in enumerate(cache_len)]
+        probs = token_probs(target.logits(step.hidden), temp)
+        _, nxt = verify(probs, zero[:, None], probs, zero, noise(b, 1), noise(b))
+    return results
+
+
+@torch.no_grad()
+def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], max_new_tokens: int,
+                    temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
+                    threshold: float = 0.0, capacity: int | None = None) -> list[DecodeResult]:
+    """DSpark decoding. `threshold` > 0 verifies only the prefix whose calibrated survival reaches it."""
+    bk = drafter.cfg.block_size
+    noise = Noise(seed)
+    b = len(prompts)
+    cap = capacity or max(map(len, prompts)) + max_new_tokens + bk + 1
+    kv, draft_kv = target.new_cache(b, cap), drafter.new_cache(b, cap)
+    temp = torch.full((b,), float(temperature))
+
+    step, anchor, cache_len = _prefill(target, prompts, kv, temp, noise)
+    results = [DecodeResult(token_ids=[int(anchor[i])]) for i in range(b)]
+    live = [True] * b
+    for i in range(b):
+        if int(anchor[i]) in stop_ids:
+            results[i].stopped, live[i] = True, False
+        elif max_new_tokens <= 1:
+            live[i] = False
+    pending, pending_len = step.taps, list(cache_len)  # target features the draft has not consumed yet
+    draft_len = [0] * b
+
+    while any(live):
+        need = max(n for n, alive in zip(cache_len, live) if alive) + bk + 1
+        if need > cap:
+            raise DSparkError(f"context overflow: {need} positions exceed the KV capacity {cap}")
+        hidden, new_dkv = drafter.backbone(pending, torch.tensor(pending_len), anchor, _mask(draft_len), draft_kv)
+        _write(draft_kv, new_dkv, draft_len, pending_len)
+        draft_len = [n + c for n, c in zip(draft_len, pending_len)]
+        block = drafter.sample_block(hidden, anchor, temp, noise(b, bk))
+        verify_len = torch.full((b,), bk, dtype=torch.int64)
+        if threshold > 0:
+            verify_len = (drafter.survival(block.conf_logits) >= threshold).sum(dim=1)
+        verify_len = torch.where(torch.tensor(live), verify_len, 0)
+
+        t = 1 + int(verify_len.max())
+        tokens = torch.cat([anchor[:, None], block.tokens[:, :t - 1]], dim=1)
+        step = target(tokens, _mask(cache_len), kv)
+        _write(kv, step.new_kv, cache_len, [t] * b)
+        probs = token_probs(target.logits(step.hidden), temp)
+        draft_next = torch.cat([block.tokens[:, :t - 1], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+        accepted, nxt = verify(probs, draft_next, block.probs, verify_len, noise(b, t), noise(b))
+
+        pending_len = [0] * b
+        for i in range(b):
+            if not live[i]:
+                continue
+            res, a = results[i], int(accepted[i])
+            res.rounds += 1
+            res.proposed.append(int(verify_len[i]))
+            drafts = block.tokens[i, :a].tolist()
+            stop_at = next((j for j, tok in enumerate(drafts) if tok in stop_ids), None)
+            if stop_at is not None:  # an accepted draft is a stop token: cut there, no bonus (reference §5.5)
+                res.token_ids += drafts[:stop_at + 1]
+                res.accepted.append(stop_at + 1)
+                res.committed.append(stop_at + 1)
+                res.stopped, live[i] = True, False
+                continue
+            res.token_ids += drafts + [int(nxt[i])]
+            res.accepted.append(a)
+            res.committed.append(a + 1)
+            if int(nxt[i]) in stop_ids:
+                res.stopped, live[i] = True, False
+            elif len(res.token_ids) >= max_new_tokens:
+                live[i] = False
+            if not live[i]:
+                continue
+            cache_len[i] += a + 1  # anchor + accepted drafts; rejected positions are dropped by the length alone
+            pending_len[i] = a + 1
+        pending = step.taps[:, :max(max(pending_len), 1)]
+        anchor = nxt
+    for res in results:
+        res.token_ids = res.token_ids[:max_new_tokens]
+    return results

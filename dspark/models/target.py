@@ -1,0 +1,179 @@
+"""The target LLM with an explicit, fixed-capacity KV cache and the DeepSpec feature taps."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dspark.errors import DSparkError
+from dspark.models.config import TargetConfig
+from dspark.models.layers import apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
+from dspark.resolve import cache_dir, resolve_target
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "config.json")
+
+
+@dataclass(frozen=True)
+class TargetStep:
+    hidden: torch.Tensor  # [B, T, d] after the final norm
+    taps: torch.Tensor  # [B, T, m*d] outputs of the tapped decoder layers, concatenated in tap order
+    new_kv: torch.Tensor  # [L, 2, B, Hkv, T, hd] K/V of the processed positions (RoPE applied)
+
+
+def kv_cache_shape(cfg: TargetConfig, batch: int, capacity: int) -> tuple[int, ...]:
+    return (cfg.num_layers, 2, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+
+
+class TargetModel(nn.Module):
+    """Runs an HF Llama/Qwen3 causal LM on its own weights with a caller-owned KV cache.
+
+    The cache is one tensor [L, 2, B, Hkv, capacity, hd]; `past_mask` [B, S] marks the valid prefix of each
+    request's cache (S <= capacity is read, nothing is copied). The step returns only the K/V of the new
+    positions: the caller writes them in place, and a rollback is a change of the valid length.
+    Tap id l is the output of decoder layer l (HF hidden_states[l + 1]); -1 is the embedding output.
+    """
+
+    def __init__(self, hf_model: nn.Module, tap_ids: tuple[int, ...] = ()):
+        super().__init__()
+        self.cfg = TargetConfig.from_dict(hf_model.config.to_dict())
+        last = self.cfg.num_layers - 1
+        for i in tap_ids:
+            if not -1 <= i < last:
+                raise DSparkError(f"tap id {i} must be in -1..{last - 1} (the last layer's output is post-norm in HF)")
+        self.tap_ids = tuple(tap_ids)
+        body = hf_model.model
+        self.embed_tokens = body.embed_tokens
+        self.layers = body.layers
+        self.norm = body.norm
+        self.lm_head = hf_model.lm_head
+        self.qk_norm = self.cfg.family == "qwen3"
+        self.register_buffer("inv_freq", rope_inv_freq(self.cfg.rope, self.cfg.head_dim), persistent=False)
+
+    def _attention(self, layer: nn.Module, x: torch.Tensor, cos, sin, k_past, v_past, past_mask, new_mask):
+        attn = layer.self_attn
+        hd = self.cfg.head_dim
+        q = attn.q_proj(x)
+        k = attn.k_proj(x)
+        v = split_heads(attn.v_proj(x), hd)
+        if self.qk_norm:
+            b, t, _ = x.shape
+            q = attn.q_norm(q.view(b, t, -1, hd)).transpose(1, 2)
+            k = attn.k_norm(k.view(b, t, -1, hd)).transpose(1, 2)
+        else:
+            q, k = split_heads(q, hd), split_heads(k, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = grouped_attention(q, [k_past, k], [v_past, v], [past_mask, new_mask], attn.scaling)
+        return attn.o_proj(out), k, v
+
+    def forward(self, tokens: torch.Tensor, past_mask: torch.Tensor, kv_cache: torch.Tensor) -> TargetStep:
+        b, t = tokens.shape
+        s = past_mask.shape[1]
+        past_valid = past_mask.bool()
+        cache_len = past_valid.sum(dim=1)
+        positions = cache_len[:, None] + torch.arange(t, device=tokens.device)[None, :]
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        pm = past_valid[:, None, None, None, :]
+        nm = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None, None, None]
+        taps = {-1: x} if -1 in self.tap_ids else {}
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            k_past = kv_cache[i, 0, :, :, :s]
+            v_past = kv_cache[i, 1, :, :, :s]
+            a, k, v = self._attention(layer, layer.input_layernorm(x), cos, sin, k_past, v_past, pm, nm)
+            x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            new_kv.append(torch.stack([k, v]))
+            if i in self.tap_ids:
+                taps[i] = x
+        tap_tensor = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
+        return TargetStep(hidden=self.norm(x), taps=tap_tensor, new_kv=torch.stack(new_kv))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.embed_tokens.weight.dtype
+        return torch.zeros(kv_cache_shape(self.cfg, batch, capacity), dtype=dtype)
+
+
+@dataclass
+class LoadedTarget:
+    hf_model: nn.Module
+    config: TargetConfig
+    folder: Path  # an HF folder holding config.json and the tokenizer files
+    source: str  # what the user asked for (name or path)
+    source_file: Path  # the file or folder it resolved to
+
+    def wrapper(self, tap_ids: tuple[int, ...] = ()) -> TargetModel:
+        return TargetModel(self.hf_model, tap_ids).eval()
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.folder / f for f in TOKENIZER_FILES if (self.folder / f).exists()]
+
+
+def _gguf_cache_folder(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "targets" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF into an HF folder once (transformers' GGUF loader), then reuse it."""
+    folder = _gguf_cache_folder(gguf)
+    if (folder / "model.safetensors").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for foreign files
+        raise DSparkError(f"cannot read GGUF {gguf}: {str(e).splitlines()[0]}") from None
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "_name_or_path"):
+        model.config._name_or_path = gguf.name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    path = resolve_target(name_or_path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise DSparkError(f"target file {path} is not a .gguf; give an HF folder or a GGUF file")
+        folder = _convert_gguf(path)
+    else:
+        folder = path
+        if not (folder / "config.json").exists():
+            raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
+    try:
+        cfg_dict = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise DSparkError(f"target config {folder / 'config.json'} is not valid JSON ({e.msg})") from None
+    config = TargetConfig.from_dict(cfg_dict)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    except Exception as e:
+        raise DSparkError(f"cannot load target weights from {folder}: {str(e).splitlines()[0]}") from None
+    hf.eval()
+    return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path)

@@ -1,0 +1,82 @@
+"""Tokenizer + chat template + stop tokens from an HF-style folder, with `tokenizers` and jinja2 only (no torch)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+
+def _load_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DSparkError(f"{path} is not valid JSON ({e.msg})") from None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclass
+class ChatTokenizer:
+    folder: Path
+
+    def __post_init__(self):
+        from tokenizers import Tokenizer
+
+        path = self.folder / "tokenizer.json"
+        if not path.exists():
+            raise DSparkError(f"{self.folder} has no tokenizer.json")
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+        self.config = _load_json(self.folder / "tokenizer_config.json")
+        template_file = self.folder / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.exists() else self.config.get("chat_template")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self._template = None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """generation_config.json eos_token_id (int or list), else the tokenizer's eos token."""
+        eos = _load_json(self.folder / "generation_config.json").get("eos_token_id")
+        if eos is None and self.eos_token is not None:
+            eos = self.tok.token_to_id(self.eos_token)
+        if eos is None:
+            return ()
+        return tuple(sorted(set(eos if isinstance(eos, list) else [eos])))
+
+    def render(self, prompt: str, system: str | None = None) -> str:
+        if not self.chat_template:
+            return prompt
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise DSparkError(f"chat template refused the conversation: {msg}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self._template.render(messages=messages, add_generation_prompt=True, enable_thinking=False,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
+        if not prompt.strip():
+            raise DSparkError("empty prompt: give some text")
+        return self.tok.encode(self.render(prompt, system), add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)

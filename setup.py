@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+RUNTIME = ["numpy>=1.24", "onnxruntime>=1.18", "tokenizers>=0.19", "click>=8.1", "jinja2>=3.1"]
+EXPORT = [
+    "torch==2.13.0",  # pinned: a bare torch requirement pulls a multi-GB CUDA build on CPU boxes
+    "transformers>=4.56",
+    "onnx>=1.17",
+    "onnxscript>=0.3",
+    "polygraphy>=0.49",
+    "safetensors>=0.4",
+    "gguf>=0.10",
+    "accelerate>=1.0",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+]
+TRT = ["tensorrt>=10", "cuda-python>=12"]
+DEV = ["pytest>=8", "hypothesis>=6.100"]
+
+setup(
+    name="dspark",
+    version="0.1.0",
+    description="ONNX/TensorRT export and a lightweight runtime for DSpark speculative decoding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dspark", "dspark.*"]),
+    package_data={"dspark": ["assets/**/*", "plugins/*.cu", "plugins/*.h", "plugins/*.cpp"]},
+    include_package_data=True,
+    install_requires=RUNTIME,
+    extras_require={"export": EXPORT, "trt": TRT, "dev": DEV, "all": EXPORT + DEV},
+    entry_points={"console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"]},
+)

