@@ -14,7 +14,7 @@ EXPORT = [
     "matplotlib>=3.8",
 ]
 TRT = ["tensorrt>=10", "cuda-python>=12"]
-DEV = ["pytest>=8", "hypothesis>=6.100"]
+DEV = ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10"]
 
 setup(
     name="dspark",

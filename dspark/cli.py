@@ -13,7 +13,9 @@ import click
 
 from dspark.errors import DSparkError
 
-DEV_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "prompts" / "dev.jsonl"
+DEV_PROMPTS = [Path("../shared/data/prompts/dev.jsonl"),
+               Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "dev.jsonl",
+               Path("/work/shared/data/prompts/dev.jsonl")]
 
 
 class FriendlyGroup(click.Group):
@@ -57,7 +59,10 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
 
 
 def default_dev_prompts() -> Path:
-    for candidate in (Path("../shared/data/prompts/dev.jsonl"), DEV_PROMPTS):
+    import os
+
+    env = os.environ.get("DSPARK_DEV_PROMPTS")
+    for candidate in ([Path(env)] if env else []) + DEV_PROMPTS:
         if candidate.exists():
             return candidate.resolve()
     raise DSparkError("no dev prompts found: pass --prompts FILE (JSONL with a 'prompt' field)")

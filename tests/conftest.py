@@ -17,16 +17,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "integration: runs on the real SmolLM2-135M-Instruct target")
 
 
-DEV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "prompts", "dev.jsonl")
+DEV_CANDIDATES = [
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "prompts", "dev.jsonl"),
+    "/work/shared/data/prompts/dev.jsonl",
+]
 
 
 def dev_prompts(n: int | None = None, stride: int = 1):
     """Dev prompts spread over the domains (every `stride`-th row)."""
     import json
 
-    path = os.environ.get("DSPARK_DEV_PROMPTS", DEV)
-    if not os.path.exists(path):
-        pytest.skip(f"dev prompts not found at {path} (set DSPARK_DEV_PROMPTS)")
+    found = [p for p in [os.environ.get("DSPARK_DEV_PROMPTS", "")] + DEV_CANDIDATES if p and os.path.exists(p)]
+    if not found:
+        pytest.skip("dev prompts not found (set DSPARK_DEV_PROMPTS to shared/data/prompts/dev.jsonl)")
+    path = found[0]
     rows = [json.loads(line)["prompt"] for line in open(path) if line.strip()][::stride]
     return rows[:n] if n else rows
 
