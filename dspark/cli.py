@@ -76,12 +76,71 @@ def export_cli():
     """Convert a target LLM and a DSpark draft into a deployable bundle (ONNX graphs, manifest, tokenizer)."""
 
 
+@export_cli.command("onnx")
+@click.option("--target", required=True, help="HF folder, .gguf file, or short name (smollm2-135m).")
+@click.option("--draft", required=True, help="DeepSpec checkpoint folder, short name, or 'random[:SEED]'.")
+@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
+@click.option("--block-size", type=click.IntRange(1, 64),
+              help="Check the draft's block size (the graphs are traced for the checkpoint's own).")
+@click.option("--max-context", default=2048, show_default=True, type=click.IntRange(16, 1 << 20),
+              help="Longest prompt + generation a runtime session may hold.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def export_onnx_cmd(target, draft, output, block_size, max_context, force, quiet):
+    """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
+    from dspark.export.onnx_export import Progress, export_bundle
+
+    if output.exists() and not force:
+        raise DSparkError(f"{output} exists; pass --force to replace it")
+    progress = Progress(5, quiet)
+    with progress.step(f"loading target {target} and draft {draft}"):
+        from dspark.models.pair import load_pair
+
+        pair = load_pair(target, draft)
+    if block_size is not None and block_size != pair.drafter.cfg.block_size:
+        raise DSparkError(f"--block-size {block_size} differs from the draft's block_size "
+                          f"{pair.drafter.cfg.block_size} (a DSpark drafter is trained for one block size)")
+    export_bundle(pair, output, max_context=max_context, force=force, progress=progress)
+    if not quiet:
+        click.echo(f"wrote {output}")
+
+
 # ------------------------------------------------------------------------------------------------------ dspark
 
 
 @click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main_cli():
     """Run DSpark speculative decoding: run, bench, train, calibrate, demo."""
+
+
+@main_cli.command("run")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (rendered with the bundle's chat template).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Verify only the prefix whose calibrated survival reaches this value (0 = all).")
+@click.option("--ar", is_flag=True, help="Decode autoregressively with the same verifier graph.")
+@click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, threads, as_json):
+    """Decode PROMPT with a bundle on ONNX Runtime, streaming the text; ends with tau and tokens/s."""
+    from dspark.runtime import Runtime
+
+    rt = Runtime(bundle, threads=threads)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, threshold=threshold, ar=ar)
+    if as_json:
+        res = rt.generate([prompt], **kw)[0]
+        click.echo(json.dumps({"text": rt.tokenizer.decode(res.token_ids), "token_ids": res.token_ids,
+                               "tau": round(res.tau, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+                               "rounds": res.rounds, "stopped": res.stopped, "mode": "ar" if ar else "dspark"}))
+        return
+    for piece in rt.stream(prompt, **kw):
+        click.echo(piece, nl=False)
+    res = rt.last.results[0]
+    click.echo(f"\n\n[{'AR' if ar else 'DSpark'}] {len(res.token_ids)} tokens, tau {res.tau:.2f} over "
+               f"{res.rounds} rounds, {res.tokens_per_s:.1f} tokens/s", err=True)
 
 
 @main_cli.command("reference")

@@ -5,8 +5,8 @@ import torch
 from tiny import tiny_pair
 
 
-def _mask(lengths):
-    return (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+def _mask(lengths, capacity):
+    return (torch.arange(capacity)[None] < torch.tensor(lengths)[:, None]).long()
 
 
 @pytest.mark.parametrize("markov", ["vanilla", "rnn"])
@@ -28,14 +28,14 @@ def test_incremental_equals_full_recomputation(markov):
             new = torch.zeros(2, c, m_d)
             for b in range(2):
                 new[b, :counts[b]] = feats[b, cache_len[b]:cache_len[b] + counts[b]]
-            mask = _mask(cache_len) if max(cache_len) else torch.zeros(2, 0, dtype=torch.long)
+            mask = _mask(cache_len, 64)
             hidden, new_kv = drafter.backbone(new, torch.tensor(counts), anchors[:, r], mask, cache)
             for b in range(2):
                 cache[:, :, b, :, cache_len[b]:cache_len[b] + counts[b]] = new_kv[:, :, b, :, :counts[b]]
                 cache_len[b] += counts[b]
                 # Full recomputation: every context row from position 0, empty cache.
                 full, _ = drafter.backbone(feats[b:b + 1, :cache_len[b]], torch.tensor([cache_len[b]]),
-                                           anchors[b:b + 1, r], torch.zeros(1, 0, dtype=torch.long),
+                                           anchors[b:b + 1, r], torch.zeros(1, 1, dtype=torch.long),
                                            drafter.new_cache(1, 1))
                 torch.testing.assert_close(hidden[b:b + 1], full, rtol=1e-5, atol=1e-5)
 
@@ -45,7 +45,7 @@ def test_block_attention_sees_only_strictly_earlier_context():
     _, _, drafter = tiny_pair("llama", vocab=16, block_size=4)
     m_d = drafter.cfg.num_taps * drafter.cfg.hidden_size
     feats = torch.randn(1, 6, m_d)
-    empty = torch.zeros(1, 0, dtype=torch.long)
+    empty = torch.zeros(1, 1, dtype=torch.long)
     with torch.no_grad():
         base, _ = drafter.backbone(feats, torch.tensor([5]), torch.tensor([3]), empty, drafter.new_cache(1, 1))
         changed = feats.clone()

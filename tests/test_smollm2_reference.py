@@ -14,9 +14,11 @@ def test_taps_equal_hf_hidden_states(smollm2):
         # Two chunks through the explicit KV cache, so the cached path is what gets compared.
         kv = target.new_cache(1, ids.shape[1])
         cut = ids.shape[1] // 2
-        first = target(ids[:, :cut], torch.zeros(1, 0, dtype=torch.long), kv)
+        mask = torch.zeros(1, ids.shape[1], dtype=torch.long)
+        first = target(ids[:, :cut], mask, kv)
         kv[..., :cut, :] = first.new_kv
-        second = target(ids[:, cut:], torch.ones(1, cut, dtype=torch.long), kv)
+        mask[:, :cut] = 1
+        second = target(ids[:, cut:], mask, kv)
     taps = torch.cat([first.taps, second.taps], dim=1)
     d = target.cfg.hidden_size
     for j, layer in enumerate(target.tap_ids):

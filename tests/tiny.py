@@ -40,3 +40,50 @@ def tiny_pair(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int
     torch.manual_seed(seed + 1)
     init_weights(drafter, std=0.2)
     return hf, target, drafter.eval()
+
+
+def tiny_tokenizer_folder(folder, vocab: int, stop_id: int | None = None):
+    """A word-level tokenizer over 'w0'..'w{V-1}' so tiny bundles are complete (ids == word numbers)."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{stop_id if stop_id is not None else vocab - 1}"}))
+    if stop_id is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stop_id}))
+    return folder
+
+
+class TinyLoaded:
+    """Stands in for LoadedTarget when exporting a tiny in-memory pair."""
+
+    def __init__(self, hf, folder):
+        from dspark.models.config import TargetConfig
+
+        self.hf_model, self.folder = hf, folder
+        self.config = TargetConfig.from_dict(hf.config.to_dict())
+        self.source, self.source_file = "tiny-random", folder
+
+    def tokenizer_files(self):
+        return [p for p in self.folder.iterdir() if p.is_file()]
+
+
+def tiny_bundle(out, family="qwen3", vocab=16, stop_id=None, **kw):
+    """Export a tiny random pair to `out`; returns (hf, target, drafter, bundle_path)."""
+    from pathlib import Path
+
+    from dspark.export.onnx_export import export_bundle
+    from dspark.models.pair import Pair
+
+    hf, target, drafter = tiny_pair(family, vocab=vocab, **kw)
+    out = Path(out)
+    tokdir = tiny_tokenizer_folder(out.parent / f"{out.name}-tokenizer", vocab, stop_id)
+    pair = Pair(loaded=TinyLoaded(hf, tokdir), target=target, drafter=drafter, draft_source="random")
+    export_bundle(pair, out, max_context=256, force=True, quiet=True)
+    return hf, target, drafter, out

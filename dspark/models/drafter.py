@@ -133,14 +133,13 @@ class DSparkDrafter(nn.Module):
         """Incremental parallel draft of one block per request.
 
         ctx_features [B, C, m*d]: target taps of positions the draft has not seen (rows >= ctx_count[b] are padding);
-        anchor [B]: last committed token, at position cache_len + ctx_count; past_mask [B, S]: valid prefix of the
-        draft's context K/V cache draft_kv [Ld, 2, B, Hkv, cap, hd]. Block queries see every cached and new context
+        anchor [B]: last committed token, at position cache_len + ctx_count; past_mask [B, capacity]: valid prefix
+        of the draft's context K/V cache, draft_kv[l][0/1] = [B, Hkv, capacity, hd]. Block queries see every cached and new context
         position (all strictly before the anchor) and the whole block, in both directions.
         Returns block hidden states [B, Bk, d] (after `norm`) and the new context K/V [Ld, 2, B, Hkv, C, hd].
         """
         b, c, _ = ctx_features.shape
         bk = self.cfg.block_size
-        s = past_mask.shape[1]
         past_valid = past_mask.bool()
         cache_len = past_valid.sum(dim=1)
         ar_c = torch.arange(c, device=anchor.device)
@@ -159,8 +158,8 @@ class DSparkDrafter(nn.Module):
             k_ctx, v_ctx = attn.project_kv(ctx, ccos, csin)
             k_blk, v_blk = attn.project_kv(u, bcos, bsin)
             q = attn.project_q(u, bcos, bsin)
-            keys = [draft_kv[i, 0, :, :, :s], k_ctx, k_blk]
-            values = [draft_kv[i, 1, :, :, :s], v_ctx, v_blk]
+            keys = [draft_kv[i][0], k_ctx, k_blk]
+            values = [draft_kv[i][1], v_ctx, v_blk]
             x = x + attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_kv.append(torch.stack([k_ctx, v_ctx]))

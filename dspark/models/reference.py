@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dspark.errors import DSparkError
+from dspark.noise import RequestNoise, stack
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.sampling import token_probs, verify
 from dspark.models.target import TargetModel
@@ -35,19 +36,13 @@ class DecodeResult:
         return float(np.mean(self.committed)) if self.committed else 0.0
 
 
-class Noise:
-    """Uniforms in (0, 1] from a seeded numpy generator; the runtime draws them the same way."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, *shape: int) -> torch.Tensor:
-        return torch.from_numpy((1.0 - self.rng.random(shape)).astype(np.float32))
+def _noise(noises: list[RequestNoise], live: list[bool], n: int) -> torch.Tensor:
+    return torch.from_numpy(stack([src if alive else None for src, alive in zip(noises, live)], n))
 
 
-def _mask(lengths: list[int]) -> torch.Tensor:
-    width = max(lengths) if lengths else 0
-    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
+def _mask(lengths: list[int], capacity: int) -> torch.Tensor:
+    """[B, capacity] 0/1: each request's valid cache prefix (graphs attend over the whole capacity)."""
+    return (torch.arange(capacity)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
 
 
 def _write(cache: torch.Tensor, new: torch.Tensor, at: list[int], count: list[int]) -> None:
@@ -63,29 +58,31 @@ def _pad(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.int64)
 
 
-def _prefill(target: TargetModel, prompts: list[list[int]], kv: torch.Tensor, temp: torch.Tensor, noise: Noise):
+def _prefill(target: TargetModel, prompts: list[list[int]], kv: torch.Tensor, temp: torch.Tensor,
+             noises: list[RequestNoise]):
     lengths = [len(p) for p in prompts]
     if min(lengths) == 0:
         raise DSparkError("empty prompt: give at least one token")
     b = len(prompts)
-    step = target(_pad(prompts), _mask([0] * b), kv)
+    step = target(_pad(prompts), _mask([0] * b, kv.shape[-2]), kv)
     _write(kv, step.new_kv, [0] * b, lengths)
     last = step.hidden[torch.arange(b), torch.tensor(lengths) - 1][:, None]
     probs = token_probs(target.logits(last), temp)
     zero = torch.zeros(b, dtype=torch.int64)
-    _, first = verify(probs, zero[:, None], probs, zero, noise(b, 1), noise(b))
+    live = [True] * b
+    _, first = verify(probs, zero[:, None], probs, zero, _noise(noises, live, 1), _noise(noises, live, 1)[:, 0])
     return step, first, lengths
 
 
 @torch.no_grad()
 def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                 seed: int = 0, stop_ids: tuple[int, ...] = (), capacity: int | None = None) -> list[DecodeResult]:
-    noise = Noise(seed)
     b = len(prompts)
+    noises = [RequestNoise(seed, i) for i in range(b)]
     kv = target.new_cache(b, capacity or max(map(len, prompts)) + max_new_tokens + 1)
     temp = torch.full((b,), float(temperature))
     zero = torch.zeros(b, dtype=torch.int64)
-    _, nxt, cache_len = _prefill(target, prompts, kv, temp, noise)
+    _, nxt, cache_len = _prefill(target, prompts, kv, temp, noises)
     results = [DecodeResult() for _ in range(b)]
     live = [True] * b
     while True:
@@ -99,11 +96,11 @@ def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: i
                     live[i] = False
         if not any(live):
             break
-        step = target(nxt[:, None], _mask(cache_len), kv)
+        step = target(nxt[:, None], _mask(cache_len, kv.shape[-2]), kv)
         _write(kv, step.new_kv, cache_len, [1] * b)
         cache_len = [n + 1 if live[i] else n for i, n in enumerate(cache_len)]
         probs = token_probs(target.logits(step.hidden), temp)
-        _, nxt = verify(probs, zero[:, None], probs, zero, noise(b, 1), noise(b))
+        _, nxt = verify(probs, zero[:, None], probs, zero, _noise(noises, live, 1), _noise(noises, live, 1)[:, 0])
     return results
 
 
@@ -113,13 +110,13 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
                     threshold: float = 0.0, capacity: int | None = None) -> list[DecodeResult]:
     """DSpark decoding. `threshold` > 0 verifies only the prefix whose calibrated survival reaches it."""
     bk = drafter.cfg.block_size
-    noise = Noise(seed)
     b = len(prompts)
+    noises = [RequestNoise(seed, i) for i in range(b)]
     cap = capacity or max(map(len, prompts)) + max_new_tokens + bk + 1
     kv, draft_kv = target.new_cache(b, cap), drafter.new_cache(b, cap)
     temp = torch.full((b,), float(temperature))
 
-    step, anchor, cache_len = _prefill(target, prompts, kv, temp, noise)
+    step, anchor, cache_len = _prefill(target, prompts, kv, temp, noises)
     results = [DecodeResult(token_ids=[int(anchor[i])]) for i in range(b)]
     live = [True] * b
     for i in range(b):
@@ -134,10 +131,10 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
         need = max(n for n, alive in zip(cache_len, live) if alive) + bk + 1
         if need > cap:
             raise DSparkError(f"context overflow: {need} positions exceed the KV capacity {cap}")
-        hidden, new_dkv = drafter.backbone(pending, torch.tensor(pending_len), anchor, _mask(draft_len), draft_kv)
+        hidden, new_dkv = drafter.backbone(pending, torch.tensor(pending_len), anchor, _mask(draft_len, cap), draft_kv)
         _write(draft_kv, new_dkv, draft_len, pending_len)
         draft_len = [n + c for n, c in zip(draft_len, pending_len)]
-        block = drafter.sample_block(hidden, anchor, temp, noise(b, bk))
+        block = drafter.sample_block(hidden, anchor, temp, _noise(noises, live, bk))
         verify_len = torch.full((b,), bk, dtype=torch.int64)
         if threshold > 0:
             verify_len = (drafter.survival(block.conf_logits) >= threshold).sum(dim=1)
@@ -145,11 +142,12 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
 
         t = 1 + int(verify_len.max())
         tokens = torch.cat([anchor[:, None], block.tokens[:, :t - 1]], dim=1)
-        step = target(tokens, _mask(cache_len), kv)
+        step = target(tokens, _mask(cache_len, cap), kv)
         _write(kv, step.new_kv, cache_len, [t] * b)
         probs = token_probs(target.logits(step.hidden), temp)
         draft_next = torch.cat([block.tokens[:, :t - 1], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
-        accepted, nxt = verify(probs, draft_next, block.probs, verify_len, noise(b, t), noise(b))
+        accept_noise = _noise(noises, live, bk + 1)[:, :t]
+        accepted, nxt = verify(probs, draft_next, block.probs, verify_len, accept_noise, _noise(noises, live, 1)[:, 0])
 
         pending_len = [0] * b
         for i in range(b):

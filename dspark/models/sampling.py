@@ -20,7 +20,8 @@ def token_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor
     t = temperature.float().view(-1, *([1] * (logits.dim() - 1)))
     logits = logits.float()
     soft = torch.softmax(logits / torch.clamp(t, min=GREEDY_EPS), dim=-1)
-    hard = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(soft.dtype)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    hard = (vocab == logits.argmax(dim=-1, keepdim=True)).to(soft.dtype)
     return torch.where(t < GREEDY_EPS, hard, soft)
 
 
@@ -56,7 +57,7 @@ def verify(
     ratio = p_tok / torch.clamp(q_tok, min=PROB_FLOOR)
     valid = torch.arange(k, device=target_probs.device)[None, :] < verify_len[:, None]
     ok = (accept_noise <= ratio) & valid
-    accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
+    accepted = (torch.cumsum((~ok).to(torch.int64), dim=1) == 0).sum(dim=1)  # leading run of accepts
     pick = accepted.view(b, 1, 1).expand(b, 1, v)
     p_row = torch.gather(target_probs, 1, pick).squeeze(1)
     q_row = torch.gather(q_rows, 1, pick).squeeze(1)
@@ -67,5 +68,8 @@ def verify(
 
 
 def prefix_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Calibrated prefix survival a_k = prod_{i<=k} sigmoid(z_i / T_i); conf_logits [B, Bk], temperatures [Bk]."""
-    return torch.cumprod(torch.sigmoid(conf_logits.float() / temperatures.float()), dim=-1)
+    """Calibrated prefix survival a_k = prod_{i<=k} sigmoid(z_i / T_i); conf_logits [B, Bk], temperatures [Bk].
+
+    Computed as exp(cumsum(log sigmoid)) because ONNX has no cumulative product."""
+    log_sig = -torch.nn.functional.softplus(-conf_logits.float() / temperatures.float())
+    return torch.exp(torch.cumsum(log_sig, dim=-1))

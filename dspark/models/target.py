@@ -35,9 +35,11 @@ def kv_cache_shape(cfg: TargetConfig, batch: int, capacity: int) -> tuple[int, .
 class TargetModel(nn.Module):
     """Runs an HF Llama/Qwen3 causal LM on its own weights with a caller-owned KV cache.
 
-    The cache is one tensor [L, 2, B, Hkv, capacity, hd]; `past_mask` [B, S] marks the valid prefix of each
-    request's cache (S <= capacity is read, nothing is copied). The step returns only the K/V of the new
-    positions: the caller writes them in place, and a rollback is a change of the valid length.
+    `past_kv[l][0]` / `past_kv[l][1]` are layer l's cached keys/values [B, Hkv, capacity, hd] (a [L, 2, ...]
+    tensor works, and so does a list of per-layer pairs, which is what the exported graph takes so that every
+    layer's cache is bound in place). `past_mask` [B, capacity] marks each request's valid prefix. The step
+    returns only the K/V of the new positions: the caller writes them in place, and a rollback is a change of
+    the valid length.
     Tap id l is the output of decoder layer l (HF hidden_states[l + 1]); -1 is the embedding output.
     """
 
@@ -73,9 +75,8 @@ class TargetModel(nn.Module):
         out = grouped_attention(q, [k_past, k], [v_past, v], [past_mask, new_mask], attn.scaling)
         return attn.o_proj(out), k, v
 
-    def forward(self, tokens: torch.Tensor, past_mask: torch.Tensor, kv_cache: torch.Tensor) -> TargetStep:
+    def forward(self, tokens: torch.Tensor, past_mask: torch.Tensor, past_kv) -> TargetStep:
         b, t = tokens.shape
-        s = past_mask.shape[1]
         past_valid = past_mask.bool()
         cache_len = past_valid.sum(dim=1)
         positions = cache_len[:, None] + torch.arange(t, device=tokens.device)[None, :]
@@ -86,9 +87,7 @@ class TargetModel(nn.Module):
         taps = {-1: x} if -1 in self.tap_ids else {}
         new_kv = []
         for i, layer in enumerate(self.layers):
-            k_past = kv_cache[i, 0, :, :, :s]
-            v_past = kv_cache[i, 1, :, :, :s]
-            a, k, v = self._attention(layer, layer.input_layernorm(x), cos, sin, k_past, v_past, pm, nm)
+            a, k, v = self._attention(layer, layer.input_layernorm(x), cos, sin, past_kv[i][0], past_kv[i][1], pm, nm)
             x = x + a
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_kv.append(torch.stack([k, v]))

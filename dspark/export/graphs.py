@@ -1,0 +1,76 @@
+"""The three exported graphs as torch modules whose forward() is exactly the graph's I/O contract.
+
+verifier: the target over T positions per request with in-graph acceptance (greedy and temperature sampling);
+          also serves prefill (logit row = last prompt position) and AR steps (T = 1).
+draft:    the parallel backbone over one block, consuming new context features.
+heads:    the sequential Markov + confidence heads unrolled over the block, sampling, prefix survival and the
+          dspark::ConfidenceTruncate op that sets each request's verification length.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.sampling import prefix_survival, token_probs, verify
+from dspark.models.target import TargetModel
+from dspark.plugins.truncate_torch import confidence_truncate
+
+VERIFIER_INPUTS = ("tokens", "past_mask", "logit_index", "verify_len", "temperature", "accept_noise", "sample_noise",
+                   "draft_probs")  # then past.{l}.key / past.{l}.value for every target layer
+VERIFIER_OUTPUTS = ("accepted", "next_token", "taps", "new_kv")
+DRAFT_INPUTS = ("ctx_features", "ctx_count", "anchor", "past_mask")  # then draft_past.{l}.key / .value
+DRAFT_OUTPUTS = ("hidden", "new_draft_kv")
+HEADS_INPUTS = ("hidden", "anchor", "temperature", "draft_noise", "conf_temperatures", "threshold")
+HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verify_mask")
+
+
+def past_names(prefix: str, layers: int) -> tuple[str, ...]:
+    """Per-layer cache inputs: the host binds each layer's slice of its cache buffer in place (no copy)."""
+    return tuple(f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value"))
+
+
+def _pairs(past: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+
+
+class VerifierGraph(nn.Module):
+    def __init__(self, target: TargetModel):
+        super().__init__()
+        self.target = target
+
+    def forward(self, tokens, past_mask, logit_index, verify_len, temperature, accept_noise, sample_noise,
+                draft_probs, past: list[torch.Tensor]):
+        step = self.target(tokens, past_mask, _pairs(past))
+        d = step.hidden.shape[-1]
+        rows = torch.gather(step.hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, d))
+        probs = token_probs(self.target.logits(rows), temperature)
+        # Row j judges the token right after it: d_{j+1} = tokens[logit_index[j] + 1] (last row: padding).
+        nxt = torch.clamp(logit_index + 1, max=tokens.shape[1] - 1)
+        draft_next = torch.gather(tokens, 1, nxt)
+        accepted, next_token = verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise)
+        return accepted, next_token, step.taps, step.new_kv
+
+
+class DraftGraph(nn.Module):
+    def __init__(self, drafter: DSparkDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, ctx_features, ctx_count, anchor, past_mask, past: list[torch.Tensor]):
+        return self.drafter.backbone(ctx_features, ctx_count, anchor, past_mask, _pairs(past))
+
+
+class HeadsGraph(nn.Module):
+    def __init__(self, drafter: DSparkDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, hidden, anchor, temperature, draft_noise, conf_temperatures, threshold):
+        block = self.drafter.sample_block(hidden, anchor, temperature, draft_noise)
+        if self.drafter.confidence_head is None:
+            survival = torch.ones_like(draft_noise)
+        else:
+            survival = prefix_survival(block.conf_logits, conf_temperatures)
+        verify_len, verify_mask = confidence_truncate(survival, threshold)
+        return block.tokens, block.probs, survival, verify_len, verify_mask

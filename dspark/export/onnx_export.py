@@ -1,0 +1,263 @@
+"""`dspark-export onnx`: trace the three graphs with torch.onnx (dynamo) and write a self-describing bundle."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark import __version__
+from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, sha256_file
+from dspark.errors import DSparkError
+from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
+                                  VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
+from dspark.models.pair import Pair
+from dspark.plugins.truncate_onnx import attach_functions
+from dspark.tokenizer import ChatTokenizer
+
+EXTERNAL_DATA_BYTES = 64 << 20  # graphs with more weight than this keep it in <graph>.onnx.data
+
+
+class Progress:
+    """One line per step on stderr with its duration; quiet=True prints nothing."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.quiet, self.i = total, quiet, 0
+
+    @contextmanager
+    def step(self, what: str):
+        self.i += 1
+        t0 = time.perf_counter()
+        if not self.quiet:
+            print(f"[{self.i}/{self.total}] {what} ...", end="", flush=True, file=os.sys.stderr)
+        yield
+        if not self.quiet:
+            print(f" {time.perf_counter() - t0:.1f}s", file=os.sys.stderr, flush=True)
+
+
+@dataclass
+class GraphExample:
+    module: torch.nn.Module
+    args: tuple  # the named inputs, then (for graphs with a cache) one list of per-layer cache tensors
+    names: tuple[str, ...]  # names of every flat input, cache tensors included
+    outputs: tuple[str, ...]
+    dims: dict[str, dict[int, str]]  # input name -> {axis: dynamic axis name}
+
+    @property
+    def has_past(self) -> bool:
+        return isinstance(self.args[-1], list)
+
+    @property
+    def flat_args(self) -> list[torch.Tensor]:
+        return list(self.args[:-1]) + list(self.args[-1]) if self.has_past else list(self.args)
+
+
+def _dims(ex: GraphExample):
+    cache: dict[str, torch.export.Dim] = {}
+
+    def dim(name: str):
+        if name not in cache:
+            cache[name] = torch.export.Dim(name, min=1, max=1 << 20)
+        return cache[name]
+
+    spec = [{a: dim(n) for a, n in (ex.dims.get(name) or {}).items()} or None for name in ex.names]
+    if not ex.has_past:
+        return tuple(spec)
+    n_fixed = len(ex.args) - 1
+    return tuple(spec[:n_fixed]) + (spec[n_fixed:],)
+
+
+def verifier_example(pair: Pair) -> GraphExample:
+    t = pair.target.cfg
+    b, seq, cap, rows, drows = 2, 5, 9, 3, 2
+    g = torch.Generator().manual_seed(0)
+    past = [torch.randn(b, t.num_kv_heads, cap, t.head_dim, generator=g) for _ in range(2 * t.num_layers)]
+    args = (
+        torch.randint(0, t.vocab_size, (b, seq), generator=g),
+        torch.tensor([[1] * 4 + [0] * 5, [1] * 2 + [0] * 7]),
+        torch.tensor([[0, 1, 2], [0, 1, 1]]),
+        torch.tensor([2, 1]),
+        torch.tensor([0.0, 1.0]),
+        torch.rand(b, rows, generator=g),
+        torch.rand(b, generator=g),
+        torch.softmax(torch.randn(b, drows, t.vocab_size, generator=g), -1),
+        past,
+    )
+    names = VERIFIER_INPUTS + past_names("past", t.num_layers)
+    dims = {"tokens": {0: "batch", 1: "seq"}, "past_mask": {0: "batch", 1: "capacity"},
+            "logit_index": {0: "batch", 1: "rows"}, "verify_len": {0: "batch"}, "temperature": {0: "batch"},
+            "accept_noise": {0: "batch", 1: "rows"}, "sample_noise": {0: "batch"},
+            "draft_probs": {0: "batch", 1: "draft_rows"}}
+    dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("past", t.num_layers)})
+    return GraphExample(VerifierGraph(pair.target), args, names, VERIFIER_OUTPUTS, dims)
+
+
+def draft_example(pair: Pair) -> GraphExample:
+    c = pair.drafter.cfg
+    b, ctx, cap = 2, 3, 9
+    g = torch.Generator().manual_seed(1)
+    past = [torch.randn(b, c.num_kv_heads, cap, c.head_dim, generator=g) for _ in range(2 * c.num_layers)]
+    args = (
+        torch.randn(b, ctx, c.num_taps * c.hidden_size, generator=g),
+        torch.tensor([3, 2]),
+        torch.tensor([5, 7]),
+        torch.tensor([[1] * 4 + [0] * 5, [1] * 3 + [0] * 6]),
+        past,
+    )
+    names = DRAFT_INPUTS + past_names("draft_past", c.num_layers)
+    dims = {"ctx_features": {0: "batch", 1: "ctx"}, "ctx_count": {0: "batch"}, "anchor": {0: "batch"},
+            "past_mask": {0: "batch", 1: "capacity"}}
+    dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("draft_past", c.num_layers)})
+    return GraphExample(DraftGraph(pair.drafter), args, names, DRAFT_OUTPUTS, dims)
+
+
+def heads_example(pair: Pair) -> GraphExample:
+    c = pair.drafter.cfg
+    b, bk = 2, c.block_size
+    g = torch.Generator().manual_seed(2)
+    args = (
+        torch.randn(b, bk, c.hidden_size, generator=g),
+        torch.tensor([5, 7]),
+        torch.tensor([0.0, 1.0]),
+        torch.rand(b, bk, generator=g),
+        torch.tensor(c.sts_temperatures, dtype=torch.float32),
+        torch.tensor([0.0, 0.5]),
+    )
+    dims = {"hidden": {0: "batch"}, "anchor": {0: "batch"}, "temperature": {0: "batch"},
+            "draft_noise": {0: "batch"}, "conf_temperatures": {}, "threshold": {0: "batch"}}
+    return GraphExample(HeadsGraph(pair.drafter), args, HEADS_INPUTS, HEADS_OUTPUTS, dims)
+
+
+def _spec_of(value, name: str, axes: dict[int, str]) -> TensorSpec:
+    shape = [axes.get(i, int(s)) for i, s in enumerate(value.shape)]
+    return TensorSpec(name=name, dtype=str(np.dtype(str(value.dtype).replace("torch.", ""))), shape=shape)
+
+
+def export_graph(ex: GraphExample, path: Path) -> GraphSpec:
+    """Trace one graph, attach the dspark function bodies, save (with external data when large)."""
+    module = ex.module.eval()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = module(*ex.args)
+        prog = torch.onnx.export(module, ex.args, dynamo=True, input_names=list(ex.names),
+                                 output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
+                                 verbose=False, report=False)
+    attach_functions(prog.model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    prog.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+    out_axes = _output_axes(ex)
+    return GraphSpec(
+        file=path.name,
+        inputs=[_spec_of(a, n, ex.dims.get(n) or {}) for a, n in zip(ex.flat_args, ex.names)],
+        outputs=[_spec_of(o, n, out_axes.get(n, {})) for o, n in zip(outs, ex.outputs)],
+    )
+
+
+def _output_axes(ex: GraphExample) -> dict[str, dict[int, str]]:
+    if isinstance(ex.module, VerifierGraph):
+        return {"accepted": {0: "batch"}, "next_token": {0: "batch"}, "taps": {0: "batch", 1: "seq"},
+                "new_kv": {2: "batch", 4: "seq"}}
+    if isinstance(ex.module, DraftGraph):
+        return {"hidden": {0: "batch"}, "new_draft_kv": {2: "batch", 4: "ctx"}}
+    return {n: {0: "batch"} for n in ex.outputs}
+
+
+def _tool_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"dspark": __version__}
+    for pkg in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _source(path: Path, name: str) -> dict:
+    if path.is_file():
+        return {"name": name, "file": str(path), "sha256": sha256_file(path)}
+    files = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + [path / "config.json"]
+             if p.exists()}
+    return {"name": name, "folder": str(path), "sha256": files}
+
+
+def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...]) -> Manifest:
+    t, c = pair.target.cfg, pair.drafter.cfg
+    sources = {"target": _source(pair.loaded.source_file, pair.loaded.source)}
+    if pair.draft_source.startswith("random"):
+        sources["draft"] = {"name": pair.draft_source, "note": "untrained random drafter"}
+    else:
+        from dspark.resolve import resolve_draft
+
+        sources["draft"] = _source(resolve_draft(pair.draft_source), pair.draft_source)
+    return Manifest(
+        target={"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
+                "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size},
+        draft={"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+               "hidden_size": c.hidden_size, "block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids),
+               "mask_token_id": c.mask_token_id, "markov_rank": c.markov_rank,
+               "markov_head_type": c.markov_head_type if c.markov_rank else None,
+               "confidence_head": c.enable_confidence_head},
+        max_context=max_context,
+        stop_token_ids=list(stop_ids),
+        graphs=specs,
+        sources=sources,
+        calibration={"sts_temperatures": list(c.sts_temperatures), "sps_table": None},
+        precision="fp32",
+        tools=_tool_versions(),
+    )
+
+
+def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool = False,
+                  quiet: bool = False, progress: Progress | None = None) -> Path:
+    """Write the bundle into a temporary folder beside `output`, then move it into place."""
+    output = Path(output)
+    if output.exists() and not force:
+        raise DSparkError(f"{output} exists; pass --force to replace it")
+    if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
+        raise DSparkError(f"{output} exists and is not a dspark bundle; refusing to replace it")
+    progress = progress or Progress(5, quiet)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.tmp-"))
+    tmp.chmod(0o755)
+    try:
+        specs = {}
+        for name, example in (("verifier", verifier_example), ("draft", draft_example), ("heads", heads_example)):
+            with progress.step(f"exporting {name}.onnx"):
+                specs[name] = export_graph(example(pair), tmp / f"{name}.onnx")
+        with progress.step("writing tokenizer and manifest"):
+            for f in pair.loaded.tokenizer_files():
+                if f.name != "config.json":
+                    shutil.copy2(f, tmp / f.name)
+            stop_ids = ChatTokenizer(tmp).stop_ids
+            for spec in specs.values():
+                spec.sha256 = sha256_file(tmp / spec.file)
+            manifest = build_manifest(pair, specs, max_context, stop_ids)
+            manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            (tmp / MANIFEST).write_text(manifest.to_json())
+        _replace_dir(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(new, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, dest)

@@ -1,0 +1,27 @@
+"""Per-request uniform noise, so a request samples the same tokens whatever else shares its batch.
+
+Every request owns a generator seeded by (seed, request index) and draws a fixed amount per step:
+prefill and AR steps: accept 1 + sample 1; DSpark rounds: draft Bk, accept Bk + 1 (the first T are used), sample 1.
+The PyTorch reference and the runtime both draw through this module.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class RequestNoise:
+    def __init__(self, seed: int, request: int):
+        self.rng = np.random.default_rng([int(seed), int(request)])
+
+    def draw(self, n: int) -> np.ndarray:
+        """n uniforms in (0, 1] (float32)."""
+        return (1.0 - self.rng.random(n)).astype(np.float32)
+
+
+def stack(noises: list[RequestNoise | None], n: int) -> np.ndarray:
+    """[B, n]: one row per slot; empty slots (None) get ones and consume nothing."""
+    out = np.ones((len(noises), n), dtype=np.float32)
+    for i, src in enumerate(noises):
+        if src is not None:
+            out[i] = src.draw(n)
+    return out

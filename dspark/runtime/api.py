@@ -1,0 +1,63 @@
+"""The Python API of the runtime: load a bundle, then generate or stream. Imports neither torch nor transformers."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.tokenizer import ChatTokenizer
+
+Prompt = str | Sequence[int]
+
+
+class Runtime:
+    """A loaded bundle. `generate` decodes a batch; `stream` yields text as rounds commit tokens."""
+
+    def __init__(self, bundle: str | Path, backend: str = "onnxruntime", threads: int | None = None):
+        self.folder = Path(bundle)
+        self.manifest = Manifest.read(self.folder)
+        self.tokenizer = ChatTokenizer(self.folder)
+        if backend == "onnxruntime":
+            from dspark.runtime.ort_backend import OrtBackend
+
+            self.backend = OrtBackend(self.folder, self.manifest, threads)
+        else:
+            raise DSparkError(f"unknown backend {backend!r} (available: onnxruntime)")
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text goes through the chat template; a list of ids is used as is."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.manifest.target["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            raise DSparkError(f"token ids must lie in 0..{vocab - 1}")
+        return ids
+
+    def decoder(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
+                seed: int = 0, threshold: float = 0.0, ar: bool = False, batch_size: int | None = None) -> Decoder:
+        """Requests beyond `batch_size` wait in a queue and take the first slot that frees up."""
+        return Decoder(self.backend, self.manifest, [self.encode(p) for p in prompts], max_new_tokens,
+                       temperature=temperature, seed=seed, threshold=threshold, ar=ar, batch_size=batch_size)
+
+    def generate(self, prompts: Sequence[Prompt], **kw) -> list[RequestResult]:
+        dec = self.decoder(prompts, **kw)
+        for _ in dec:
+            pass
+        return dec.results
+
+    def stream(self, prompt: Prompt, **kw) -> Iterator[str]:
+        """Yields decoded text pieces of one request as they are committed."""
+        dec = self.decoder([prompt], **kw)
+        ids: list[int] = []
+        shown = ""
+        for event in dec:
+            ids += event.token_ids
+            text = self.tokenizer.decode(ids)
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                piece, shown = text[len(shown):], text
+                if piece:
+                    yield piece
+        self.last = dec

@@ -1,0 +1,265 @@
+"""The DSpark decode loop over a bundle's graphs (numpy only), with continuous batching.
+
+The batch is a fixed set of slots. A request is prefilled into a free slot (a batch-1 verifier call on that
+slot's cache views) and decodes until it stops; its slot then takes the next queued request, while the other
+slots keep decoding. Each round mirrors dspark.models.reference step for step, and noise is per request
+(dspark.noise), so the tokens a request gets do not depend on the other requests in flight.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.noise import RequestNoise, stack
+from dspark.runtime.kv import KVCache
+
+
+@dataclass
+class RequestResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
+    proposed: list[int] = field(default_factory=list)  # drafts verified per round
+    committed: list[int] = field(default_factory=list)  # tokens committed per round (its tau)
+    stopped: bool = False
+    done: bool = False
+    started: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.committed)) if self.committed else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class StepTimes:
+    """Seconds per stage over a whole decode; host = everything outside the graphs."""
+
+    draft: float = 0.0
+    heads: float = 0.0
+    verify: float = 0.0
+    prefill: float = 0.0
+    total: float = 0.0
+    rounds: int = 0
+    round_tokens: list[int] = field(default_factory=list)  # verifier positions (batch x T) per round
+
+    @property
+    def host(self) -> float:
+        return self.total - self.draft - self.heads - self.verify - self.prefill
+
+    def as_dict(self) -> dict:
+        return {"draft_s": self.draft, "heads_s": self.heads, "verify_s": self.verify, "prefill_s": self.prefill,
+                "host_s": self.host, "total_s": self.total, "rounds": self.rounds}
+
+
+@dataclass
+class Event:
+    """Tokens committed for one request in one step."""
+
+    request: int
+    token_ids: list[int]
+    done: bool
+
+
+class Decoder:
+    """Decodes `prompts` through `batch_size` slots; iterate it for Events, then read `results` and `times`."""
+
+    def __init__(self, backend, manifest: Manifest, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int = 0, threshold: float = 0.0, ar: bool = False,
+                 batch_size: int | None = None, capacity: int | None = None):
+        if not prompts:
+            raise DSparkError("no prompts given")
+        if any(len(p) == 0 for p in prompts):
+            raise DSparkError("empty prompt: give at least one token")
+        if max_new_tokens < 1:
+            raise DSparkError("max_new_tokens must be at least 1")
+        self.backend, self.man = backend, manifest
+        self.bk = manifest.block_size
+        longest = max(map(len, prompts))
+        limit = manifest.max_context
+        need = longest + max_new_tokens + self.bk + 1
+        if longest + self.bk + 2 > limit:
+            raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
+        self.capacity = capacity or min(need, limit)
+        b = min(batch_size or len(prompts), len(prompts))
+        t, d = manifest.target, manifest.draft
+        self.kv = KVCache(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
+        self.dkv = KVCache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
+                           prefix="draft_past")
+        self.prompts = prompts
+        self.max_new = max_new_tokens
+        self.ar = ar
+        self.seed = seed
+        self.temp_value, self.threshold_value = float(temperature), float(threshold)
+        self.temperature = np.full(b, temperature, dtype=np.float32)
+        self.threshold = np.full(b, threshold, dtype=np.float32)
+        self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
+        self.stop_ids = set(manifest.stop_token_ids)
+        self.results = [RequestResult(prompt_ids=list(p)) for p in prompts]
+        self.times = StepTimes()
+        self.queue = deque(range(len(prompts)))
+        self.slot_req = [-1] * b  # request index held by each slot, -1 = free
+        self.noise: list[RequestNoise | None] = [None] * b
+        self.anchor = np.zeros(b, dtype=np.int64)
+        taps = manifest.graphs["verifier"].outputs[2].shape[-1]
+        self.ctx = np.zeros((b, 1, taps), dtype=np.float32)  # target features the draft has not seen, per slot
+        self.ctx_count = np.zeros(b, dtype=np.int64)
+        self._no_drafts = np.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
+        self._zero = np.zeros(b, dtype=np.int64)
+
+    @property
+    def batch(self) -> int:
+        return len(self.slot_req)
+
+    # -- graph calls ------------------------------------------------------------------------------------------
+
+    def _verify(self, feeds_kv: dict, mask: np.ndarray, tokens, logit_index, verify_len, temperature, accept,
+                sample, draft_probs):
+        out = self.backend.verifier.run({
+            "tokens": tokens, "past_mask": mask, "logit_index": logit_index, "verify_len": verify_len,
+            "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
+            **feeds_kv,
+        })
+        return out["accepted"].numpy(), out["next_token"].numpy(), out["taps"].numpy(), out["new_kv"].numpy()
+
+    def _admit(self, slot: int, req: int) -> Event:
+        """Prefill request `req` into `slot` with a batch-1 call on that slot's cache views."""
+        prompt = self.prompts[req]
+        n = len(prompt)
+        self.slot_req[slot] = req
+        self.noise[slot] = RequestNoise(self.seed, req)
+        self.kv.commit(slot, 0)
+        self.dkv.commit(slot, 0)
+        self.kv.check_room(slot, n)
+        res = self.results[req]
+        res.started = time.perf_counter()
+        t0 = time.perf_counter()
+        src = [self.noise[slot]]
+        _, first, taps, new_kv = self._verify(
+            self.kv.slot_feeds(slot), self.kv.past_mask()[slot:slot + 1], np.asarray([prompt], dtype=np.int64),
+            np.asarray([[n - 1]], dtype=np.int64), self._zero[:1], self.temperature[:1], stack(src, 1),
+            stack(src, 1)[:, 0], self._no_drafts[:1])
+        self.times.prefill += time.perf_counter() - t0
+        self.kv.write(new_kv, 0, n, slot=slot)
+        self.kv.commit(slot, n)
+        self._set_ctx(slot, taps[0], n)
+        self.anchor[slot] = first[0]
+        return Event(req, self._take(slot, [int(first[0])]), res.done)
+
+    def _set_ctx(self, slot: int, rows: np.ndarray, count: int) -> None:
+        if count > self.ctx.shape[1]:
+            grown = np.zeros((self.batch, count, self.ctx.shape[2]), dtype=np.float32)
+            grown[:, :self.ctx.shape[1]] = self.ctx
+            self.ctx = grown
+        self.ctx[slot, :count] = rows[:count]
+        self.ctx_count[slot] = count
+
+    def _draft(self, live: np.ndarray):
+        c = max(int(self.ctx_count.max()), 1)
+        t0 = time.perf_counter()
+        out = self.backend.draft.run({"ctx_features": np.ascontiguousarray(self.ctx[:, :c]),
+                                      "ctx_count": self.ctx_count, "anchor": self.anchor,
+                                      "past_mask": self.dkv.past_mask(), **self.dkv.feeds})
+        new_kv = out["new_draft_kv"].numpy()
+        t1 = time.perf_counter()
+        for slot in np.flatnonzero(self.ctx_count):
+            count = int(self.ctx_count[slot])
+            self.dkv.check_room(slot, count)
+            self.dkv.write(new_kv, slot, count)
+            self.dkv.commit(slot, int(self.dkv.lengths[slot]) + count)
+        noises = [src if alive else None for src, alive in zip(self.noise, live)]
+        heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
+                                        "temperature": self.temperature, "draft_noise": stack(noises, self.bk),
+                                        "conf_temperatures": self.conf_temps, "threshold": self.threshold})
+        t2 = time.perf_counter()
+        self.times.draft += t1 - t0
+        self.times.heads += t2 - t1
+        return heads["draft_tokens"].numpy(), heads["draft_probs"], heads["verify_len"].numpy()
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+
+    def _take(self, slot: int, tokens: list[int]) -> list[int]:
+        """Append tokens to the slot's request up to a stop token or max_new_tokens; returns what was appended."""
+        res = self.results[self.slot_req[slot]]
+        out = []
+        for tok in tokens:
+            out.append(tok)
+            if tok in self.stop_ids:
+                res.stopped = res.done = True
+                break
+            if len(res.token_ids) + len(out) >= self.max_new:
+                res.done = True
+                break
+        res.token_ids += out
+        if res.done:
+            res.seconds = time.perf_counter() - res.started
+        return out
+
+    def _fill_free_slots(self) -> Iterator[Event]:
+        for slot in range(self.batch):
+            while self.slot_req[slot] < 0 or self.results[self.slot_req[slot]].done:
+                if not self.queue:
+                    self.slot_req[slot] = -1
+                    self.noise[slot] = None
+                    self.ctx_count[slot] = 0
+                    break
+                yield self._admit(slot, self.queue.popleft())
+
+    # -- loop -------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Event]:
+        start = time.perf_counter()
+        b = self.batch
+        yield from self._fill_free_slots()
+        while any(r >= 0 for r in self.slot_req):
+            live = np.array([r >= 0 for r in self.slot_req])
+            noises = [src if alive else None for src, alive in zip(self.noise, live)]
+            if self.ar:
+                verify_len, drafts, t, draft_probs = self._zero, np.zeros((b, 1), dtype=np.int64), 1, self._no_drafts
+                tokens = self.anchor[:, None]
+            else:
+                drafts, draft_probs, verify_len = self._draft(live)
+                verify_len = np.where(live, verify_len, 0)
+                t = 1 + int(verify_len.max())
+                tokens = np.concatenate([self.anchor[:, None], drafts[:, :t - 1]], axis=1)
+            logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+            accept = stack(noises, 1 if self.ar else self.bk + 1)[:, :t]
+            t0 = time.perf_counter()
+            accepted, nxt, taps, new_kv = self._verify(self.kv.feeds, self.kv.past_mask(), tokens, logit_index,
+                                                       verify_len, self.temperature, accept, stack(noises, 1)[:, 0],
+                                                       draft_probs)
+            self.times.verify += time.perf_counter() - t0
+            self.times.rounds += 1
+            self.times.round_tokens.append(b * t)
+            self.ctx_count[:] = 0
+            for slot in np.flatnonzero(live):
+                res, a = self.results[self.slot_req[slot]], int(accepted[slot])
+                self.kv.check_room(slot, t)
+                self.kv.write(new_kv, slot, t)
+                res.rounds += 1
+                res.proposed.append(int(verify_len[slot]))
+                commit = [int(x) for x in drafts[slot, :a]] + [int(nxt[slot])]
+                stop_at = next((j for j, tok in enumerate(commit[:a]) if tok in self.stop_ids), None)
+                if stop_at is not None:  # accepted drafts hold a stop token: cut there, no bonus token
+                    commit = commit[:stop_at + 1]
+                res.accepted.append(min(a, len(commit)))
+                res.committed.append(len(commit))
+                yield Event(self.slot_req[slot], self._take(slot, commit), res.done)
+                if not res.done:
+                    self.kv.commit(slot, int(self.kv.lengths[slot]) + a + 1)
+                    if not self.ar:
+                        self._set_ctx(slot, taps[slot], a + 1)
+                    self.anchor[slot] = nxt[slot]
+            yield from self._fill_free_slots()
+        self.times.total = time.perf_counter() - start
