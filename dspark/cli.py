@@ -39,7 +39,7 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
     """JSONL rows with a 'prompt' (or DeepSpec 'turns') field."""
     rows = []
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except FileNotFoundError:
         raise DSparkError(f"prompt file {path} not found") from None
     for i, line in enumerate(lines, 1):
@@ -85,14 +85,15 @@ def export_cli():
 @click.option("--max-context", default=2048, show_default=True, type=click.IntRange(16, 1 << 20),
               help="Longest prompt + generation a runtime session may hold.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
+@click.option("--no-check", is_flag=True, help="Skip recording reference data for `dspark-export check`.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def export_onnx_cmd(target, draft, output, block_size, max_context, force, quiet):
+def export_onnx_cmd(target, draft, output, block_size, max_context, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
     from dspark.export.onnx_export import Progress, export_bundle
 
     if output.exists() and not force:
         raise DSparkError(f"{output} exists; pass --force to replace it")
-    progress = Progress(5, quiet)
+    progress = Progress(5 if no_check else 6, quiet)
     with progress.step(f"loading target {target} and draft {draft}"):
         from dspark.models.pair import load_pair
 
@@ -100,9 +101,37 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, force, quiet
     if block_size is not None and block_size != pair.drafter.cfg.block_size:
         raise DSparkError(f"--block-size {block_size} differs from the draft's block_size "
                           f"{pair.drafter.cfg.block_size} (a DSpark drafter is trained for one block size)")
-    export_bundle(pair, output, max_context=max_context, force=force, progress=progress)
+    export_bundle(pair, output, max_context=max_context, force=force, progress=progress, check_data=not no_check)
     if not quiet:
         click.echo(f"wrote {output}")
+
+
+@export_cli.command("check")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--trt-lint", is_flag=True, help="Also lint every graph against TensorRT 10's ONNX operator support.")
+@click.option("--lint-only", is_flag=True, help="Only the TensorRT lint (no ONNX Runtime runs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def check_cmd(bundle, trt_lint, lint_only, as_json):
+    """Per-graph parity of ONNX Runtime vs the PyTorch reference, and end-to-end greedy token equality."""
+    from dataclasses import asdict
+
+    if lint_only:
+        from dspark.bundle import Manifest
+        from dspark.export.trt_lint import lint_bundle
+
+        findings = [asdict(f) for f in lint_bundle(bundle, Manifest.read(bundle))]
+        if as_json:
+            click.echo(json.dumps({"bundle": str(bundle), "trt_lint": findings, "passed": not findings}))
+        else:
+            for f in findings:
+                click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
+            click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
+        sys.exit(0 if not findings else 1)
+    from dspark.export.check import check_bundle, format_report
+
+    rep = check_bundle(bundle, trt_lint=trt_lint)
+    click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
+    sys.exit(0 if rep.passed else 1)
 
 
 # ------------------------------------------------------------------------------------------------------ dspark
@@ -141,6 +170,70 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, th
     res = rt.last.results[0]
     click.echo(f"\n\n[{'AR' if ar else 'DSpark'}] {len(res.token_ids)} tokens, tau {res.tau:.2f} over "
                f"{res.rounds} rounds, {res.tokens_per_s:.1f} tokens/s", err=True)
+
+
+@main_cli.command("train")
+@click.option("--target", required=True, help="HF folder, .gguf file, or short name.")
+@click.option("--prompts", required=True, type=click.Path(path_type=Path), help="JSONL prompts (never dev.jsonl).")
+@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Run folder (resumable).")
+@click.option("--data", type=click.Path(path_type=Path), help="Response/feature cache (default OUTPUT/data; "
+              "share it between runs, e.g. DSpark and its DFlash ablation).")
+@click.option("--bundle", type=click.Path(path_type=Path),
+              help="Bundle used to generate responses (default: exported into OUTPUT/work).")
+@click.option("--max-prompts", type=click.IntRange(1), help="Generate responses for at most this many prompts.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
+@click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(1, 512))
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--block-size", default=7, show_default=True, type=click.IntRange(1, 64))
+@click.option("--markov-rank", default=48, show_default=True, type=click.IntRange(0, 4096))
+@click.option("--markov-type", default="vanilla", show_default=True, type=click.Choice(["vanilla", "gated", "rnn"]))
+@click.option("--intermediate-size", default=1024, show_default=True, type=click.IntRange(1))
+@click.option("--confidence/--no-confidence", default=True, show_default=True)
+@click.option("--loss", "loss_kind", default="dspark", show_default=True, type=click.Choice(["dspark", "ce"]),
+              help="dspark = 0.1 CE + 0.9 L1 + 1.0 confidence BCE; ce = DFlash's CE only.")
+@click.option("--steps", default=2000, show_default=True, type=click.IntRange(1))
+@click.option("--lr", default=6e-4, show_default=True, type=float)
+@click.option("--anchors", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--seed", default=42, show_default=True, type=int)
+@click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
+def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
+              markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
+              seed, generate_only):
+    """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
+    from dspark.train.run import TrainRun
+
+    TrainRun(target=target, prompts=prompts, output=output, data=data, bundle=bundle, max_prompts=max_prompts,
+             max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers, block_size=block_size,
+             markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
+             confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
+             seqs_per_step=seqs_per_step, seed=seed).run(generate_only=generate_only)
+
+
+@main_cli.command("calibrate")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", required=True, type=click.Path(path_type=Path),
+              help="JSONL prompts NOT used for training (e.g. OUTPUT/heldout_prompts.jsonl of `dspark train`).")
+@click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
+              help="Also store the temperatures in this DeepSpec checkpoint's config.json.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Where calibration.json and "
+              "reliability.png go (default: BUNDLE).")
+@click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0),
+              help="Decode temperature the calibration is for (acceptance depends on it).")
+def calibrate_cmd(bundle, prompts, draft_dir, out_dir, limit, max_new_tokens, temperature):
+    """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per position)."""
+    from dspark.calibration.calibrate import calibrate
+
+    rows = read_prompts(prompts, limit=limit)
+    report = calibrate(bundle, [r["prompt"] for r in rows], out_dir or bundle, draft_dir, max_new_tokens,
+                       temperature)
+    click.echo(f"{report['rounds']} rounds from {report['prompts']} prompts; STS temperatures "
+               + " ".join(f"{t:.2f}" for t in report["sts_temperatures"]))
+    click.echo("position  ECE before -> after   AUC    Brier")
+    for b, a in zip(report["before"], report["after"]):
+        click.echo(f"{b['position']:>8}  {100 * b['ece']:6.2f}% -> {100 * a['ece']:5.2f}%  {a['auc']:.3f}  {a['brier']:.3f}")
 
 
 @main_cli.command("reference")

@@ -22,7 +22,7 @@ VERIFIER_OUTPUTS = ("accepted", "next_token", "taps", "new_kv")
 DRAFT_INPUTS = ("ctx_features", "ctx_count", "anchor", "past_mask")  # then draft_past.{l}.key / .value
 DRAFT_OUTPUTS = ("hidden", "new_draft_kv")
 HEADS_INPUTS = ("hidden", "anchor", "temperature", "draft_noise", "conf_temperatures", "threshold")
-HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verify_mask")
+HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verify_mask", "conf_logits")
 
 
 def past_names(prefix: str, layers: int) -> tuple[str, ...]:
@@ -46,7 +46,7 @@ class VerifierGraph(nn.Module):
         rows = torch.gather(step.hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, d))
         probs = token_probs(self.target.logits(rows), temperature)
         # Row j judges the token right after it: d_{j+1} = tokens[logit_index[j] + 1] (last row: padding).
-        nxt = torch.clamp(logit_index + 1, max=tokens.shape[1] - 1)
+        nxt = torch.minimum(logit_index + 1, torch.full_like(logit_index, tokens.shape[1] - 1))  # Min: int-safe in TRT
         draft_next = torch.gather(tokens, 1, nxt)
         accepted, next_token = verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise)
         return accepted, next_token, step.taps, step.new_kv
@@ -73,4 +73,4 @@ class HeadsGraph(nn.Module):
         else:
             survival = prefix_survival(block.conf_logits, conf_temperatures)
         verify_len, verify_mask = confidence_truncate(survival, threshold)
-        return block.tokens, block.probs, survival, verify_len, verify_mask
+        return block.tokens, block.probs, survival, verify_len, verify_mask, block.conf_logits

@@ -20,6 +20,7 @@ from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
+from dspark.export.passes import fold_weight_transposes, optimize_graph
 from dspark.models.pair import Pair
 from dspark.plugins.truncate_onnx import attach_functions
 from dspark.tokenizer import ChatTokenizer
@@ -153,6 +154,8 @@ def export_graph(ex: GraphExample, path: Path) -> GraphSpec:
                                  output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
                                  verbose=False, report=False)
     attach_functions(prog.model)
+    fold_weight_transposes(prog.model)
+    optimize_graph(prog.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     prog.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
     out_axes = _output_axes(ex)
@@ -220,14 +223,17 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
 
 
 def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool = False,
-                  quiet: bool = False, progress: Progress | None = None) -> Path:
-    """Write the bundle into a temporary folder beside `output`, then move it into place."""
+                  quiet: bool = False, progress: Progress | None = None, check_data: bool = True) -> Path:
+    """Write the bundle into a temporary folder beside `output`, then move it into place.
+
+    With check_data, the bundle also gets check/ (real graph inputs with the PyTorch outputs on them and reference
+    greedy tokens) for `dspark-export check`."""
     output = Path(output)
     if output.exists() and not force:
         raise DSparkError(f"{output} exists; pass --force to replace it")
     if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
         raise DSparkError(f"{output} exists and is not a dspark bundle; refusing to replace it")
-    progress = progress or Progress(5, quiet)
+    progress = progress or Progress(6 if check_data else 5, quiet)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.tmp-"))
     tmp.chmod(0o755)
@@ -246,6 +252,11 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
             manifest = build_manifest(pair, specs, max_context, stop_ids)
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             (tmp / MANIFEST).write_text(manifest.to_json())
+        if check_data:
+            with progress.step("recording reference data for `dspark-export check`"):
+                from dspark.export.check import record_check_data
+
+                record_check_data(pair, tmp)
         _replace_dir(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

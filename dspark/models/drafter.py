@@ -165,6 +165,35 @@ class DSparkDrafter(nn.Module):
             new_kv.append(torch.stack([k_ctx, v_ctx]))
         return self.norm(x), torch.stack(new_kv)
 
+    def packed_blocks(self, ctx_features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: many blocks of one sequence at once (DeepSpec's packed block-sparse attention).
+
+        ctx_features [S, m*d]: taps of positions 0..S-1; tokens [>= S] the sequence; anchors [A] positions.
+        Block a (anchor p) sees context positions < p and its own slots, exactly as backbone() does at inference.
+        Returns block hidden states [A, Bk, d].
+        """
+        bk = self.cfg.block_size
+        s, a = ctx_features.shape[0], anchors.shape[0]
+        dev = ctx_features.device
+        ctx = self.hidden_norm(self.fc(ctx_features))[None]  # [1, S, d]
+        x = self.block_inputs(tokens[anchors]).reshape(1, a * bk, -1)
+        blk_pos = (anchors[:, None] + torch.arange(bk, device=dev)[None]).reshape(1, a * bk)
+        ccos, csin = rope_cos_sin(torch.arange(s, device=dev)[None], self.inv_freq, x.dtype)
+        bcos, bsin = rope_cos_sin(blk_pos, self.inv_freq, x.dtype)
+        block_id = torch.arange(a, device=dev).repeat_interleave(bk)
+        ctx_mask = (torch.arange(s, device=dev)[None, :] < anchors.repeat_interleave(bk)[:, None])[None, None, None]
+        blk_mask = (block_id[:, None] == block_id[None, :])[None, None, None]
+        for layer in self.layers:
+            attn = layer.self_attn
+            u = layer.input_layernorm(x)
+            k_ctx, v_ctx = attn.project_kv(ctx, ccos, csin)
+            k_blk, v_blk = attn.project_kv(u, bcos, bsin)
+            q = attn.project_q(u, bcos, bsin)
+            x = x + attn.o_proj(grouped_attention(q, [k_ctx, k_blk], [v_ctx, v_blk], [ctx_mask, blk_mask],
+                                                  attn.scaling))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x).view(a, bk, -1)
+
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         cfg = self.cfg
         dtype = dtype or self.fc.weight.dtype

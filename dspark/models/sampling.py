@@ -50,14 +50,16 @@ def verify(
     """
     b, k, v = target_probs.shape
     kd = draft_probs.shape[1]
-    rows = torch.clamp(torch.arange(k, device=target_probs.device), max=kd - 1)
+    ar = torch.arange(k, device=target_probs.device)
+    rows = torch.minimum(ar, torch.full_like(ar, kd - 1))  # Min, not Clip: TensorRT clips floats only
     q_rows = draft_probs.index_select(1, rows)  # [B, K, V]
     p_tok = torch.gather(target_probs, 2, draft_next.unsqueeze(-1)).squeeze(-1)
     q_tok = torch.gather(q_rows, 2, draft_next.unsqueeze(-1)).squeeze(-1)
     ratio = p_tok / torch.clamp(q_tok, min=PROB_FLOOR)
     valid = torch.arange(k, device=target_probs.device)[None, :] < verify_len[:, None]
     ok = (accept_noise <= ratio) & valid
-    accepted = (torch.cumsum((~ok).to(torch.int64), dim=1) == 0).sum(dim=1)  # leading run of accepts
+    # Leading run of accepts. Float cumsum: TensorRT's CumSum takes float types only (counts stay exact).
+    accepted = (torch.cumsum((~ok).to(torch.float32), dim=1) == 0).sum(dim=1)
     pick = accepted.view(b, 1, 1).expand(b, 1, v)
     p_row = torch.gather(target_probs, 1, pick).squeeze(1)
     q_row = torch.gather(q_rows, 1, pick).squeeze(1)

@@ -96,6 +96,28 @@ class TargetModel(nn.Module):
         tap_tensor = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
         return TargetStep(hidden=self.norm(x), taps=tap_tensor, new_kv=torch.stack(new_kv))
 
+    def tail(self, h: torch.Tensor, first_layer: int) -> torch.Tensor:
+        """Final hidden states [B, T, d] from the residual stream `h` entering `first_layer` at positions 0..T-1
+        (causal, no cache): with h = the last tap, training needs only the layers after it."""
+        b, t, _ = h.shape
+        positions = torch.arange(t, device=h.device)[None].expand(b, t)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None, None]
+        for layer in self.layers[first_layer:]:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            hd = self.cfg.head_dim
+            q, k, v = attn.q_proj(x), attn.k_proj(x), split_heads(attn.v_proj(x), hd)
+            if self.qk_norm:
+                q = attn.q_norm(q.view(b, t, -1, hd)).transpose(1, 2)
+                k = attn.k_norm(k.view(b, t, -1, hd)).transpose(1, 2)
+            else:
+                q, k = split_heads(q, hd), split_heads(k, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            h = h + attn.o_proj(grouped_attention(q, [k], [v], [causal], attn.scaling))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 

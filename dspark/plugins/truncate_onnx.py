@@ -13,8 +13,8 @@ dspark_opset = Opset(DOMAIN, OP_VERSION)
 @script(opset=dspark_opset, default_opset=op)
 def ConfidenceTruncate(survival: FLOAT, threshold: FLOAT) -> tuple[INT64, BOOL]:
     keep = op.GreaterOrEqual(survival, op.Unsqueeze(threshold, op.Constant(value_ints=[1])))
-    dropped = op.CumSum(op.Cast(op.Not(keep), to=INT64.dtype), op.Constant(value_int=1))
-    verify_mask = op.Equal(dropped, op.Constant(value_int=0))
+    dropped = op.CumSum(op.Cast(op.Not(keep), to=FLOAT.dtype), op.Constant(value_int=1))
+    verify_mask = op.Equal(dropped, op.Constant(value_float=0.0))
     verify_len = op.ReduceSum(op.Cast(verify_mask, to=INT64.dtype), op.Constant(value_ints=[1]), keepdims=0)
     return verify_len, verify_mask
 

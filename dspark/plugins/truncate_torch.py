@@ -9,7 +9,7 @@ from dspark.plugins.truncate_onnx import DOMAIN, OP_NAME, OP_VERSION
 
 def _truncate_static(survival: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     keep = survival >= threshold[:, None]
-    mask = torch.cumsum((~keep).to(torch.int64), dim=1) == 0
+    mask = torch.cumsum((~keep).to(torch.float32), dim=1) == 0
     return mask.sum(dim=1), mask
 
 

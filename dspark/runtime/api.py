@@ -37,10 +37,12 @@ class Runtime:
         return ids
 
     def decoder(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
-                seed: int = 0, threshold: float = 0.0, ar: bool = False, batch_size: int | None = None) -> Decoder:
+                seed: int = 0, threshold: float = 0.0, ar: bool = False, batch_size: int | None = None,
+                record_taps: bool = False, record_confidence: bool = False) -> Decoder:
         """Requests beyond `batch_size` wait in a queue and take the first slot that frees up."""
         return Decoder(self.backend, self.manifest, [self.encode(p) for p in prompts], max_new_tokens,
-                       temperature=temperature, seed=seed, threshold=threshold, ar=ar, batch_size=batch_size)
+                       temperature=temperature, seed=seed, threshold=threshold, ar=ar, batch_size=batch_size,
+                       record_taps=record_taps, record_confidence=record_confidence)
 
     def generate(self, prompts: Sequence[Prompt], **kw) -> list[RequestResult]:
         dec = self.decoder(prompts, **kw)

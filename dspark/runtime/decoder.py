@@ -32,6 +32,7 @@ class RequestResult:
     done: bool = False
     started: float = 0.0
     seconds: float = 0.0
+    taps: list = field(default_factory=list, repr=False)  # target features per position (record_taps=True)
 
     @property
     def tau(self) -> float:
@@ -77,7 +78,8 @@ class Decoder:
 
     def __init__(self, backend, manifest: Manifest, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0, threshold: float = 0.0, ar: bool = False,
-                 batch_size: int | None = None, capacity: int | None = None):
+                 batch_size: int | None = None, capacity: int | None = None, record_taps: bool = False,
+                 record_confidence: bool = False):
         if not prompts:
             raise DSparkError("no prompts given")
         if any(len(p) == 0 for p in prompts):
@@ -100,6 +102,9 @@ class Decoder:
         self.prompts = prompts
         self.max_new = max_new_tokens
         self.ar = ar
+        self.record_taps = record_taps
+        self.record_confidence = record_confidence
+        self.confidence_log: list[tuple[np.ndarray, int, int]] = []  # (conf logits [Bk], verified, accepted)
         self.seed = seed
         self.temp_value, self.threshold_value = float(temperature), float(threshold)
         self.temperature = np.full(b, temperature, dtype=np.float32)
@@ -112,6 +117,7 @@ class Decoder:
         self.slot_req = [-1] * b  # request index held by each slot, -1 = free
         self.noise: list[RequestNoise | None] = [None] * b
         self.anchor = np.zeros(b, dtype=np.int64)
+        self._conf: np.ndarray | None = None
         taps = manifest.graphs["verifier"].outputs[2].shape[-1]
         self.ctx = np.zeros((b, 1, taps), dtype=np.float32)  # target features the draft has not seen, per slot
         self.ctx_count = np.zeros(b, dtype=np.int64)
@@ -153,6 +159,8 @@ class Decoder:
         self.times.prefill += time.perf_counter() - t0
         self.kv.write(new_kv, 0, n, slot=slot)
         self.kv.commit(slot, n)
+        if self.record_taps:
+            res.taps.append(taps[0, :n].astype(np.float16))
         self._set_ctx(slot, taps[0], n)
         self.anchor[slot] = first[0]
         return Event(req, self._take(slot, [int(first[0])]), res.done)
@@ -185,6 +193,7 @@ class Decoder:
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
+        self._conf = heads["conf_logits"].numpy() if self.record_confidence else None
         return heads["draft_tokens"].numpy(), heads["draft_probs"], heads["verify_len"].numpy()
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
@@ -255,6 +264,10 @@ class Decoder:
                     commit = commit[:stop_at + 1]
                 res.accepted.append(min(a, len(commit)))
                 res.committed.append(len(commit))
+                if self._conf is not None:
+                    self.confidence_log.append((self._conf[slot].copy(), int(verify_len[slot]), res.accepted[-1]))
+                if self.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
+                    res.taps.append(taps[slot, :a + 1].astype(np.float16))
                 yield Event(self.slot_req[slot], self._take(slot, commit), res.done)
                 if not res.done:
                     self.kv.commit(slot, int(self.kv.lengths[slot]) + a + 1)

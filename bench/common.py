@@ -1,0 +1,58 @@
+"""Shared helpers for the benchmark scripts (prompt selection, stats, JSON output)."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def dev_rows(path: str | None, per_domain: int | None = None, limit: int | None = None) -> list[dict]:
+    from dspark.cli import default_dev_prompts, read_prompts
+
+    rows = read_prompts(Path(path) if path else default_dev_prompts())
+    if per_domain:
+        seen: dict[str, int] = {}
+        picked = []
+        for r in rows:
+            d = r.get("domain", "all")
+            if seen.get(d, 0) < per_domain:
+                picked.append(r)
+                seen[d] = seen.get(d, 0) + 1
+        rows = picked
+    return rows[:limit] if limit else rows
+
+
+def position_acceptance(results, block: int) -> dict:
+    """Unconditional survival accept_rate@k = #rounds with a >= k / #rounds with proposal >= k, and the
+    conditional acceptance (the paper's Fig. 2) = survival@k / survival@k-1."""
+    acc = np.concatenate([np.asarray(r.accepted) for r in results if r.accepted]) if results else np.zeros(0)
+    prop = np.concatenate([np.asarray(r.proposed) for r in results if r.proposed]) if results else np.zeros(0)
+    surv, cond = [], []
+    for k in range(1, block + 1):
+        reached = prop >= k
+        s = float((acc[reached] >= k).mean()) if reached.any() else float("nan")
+        surv.append(s)
+        prev_sel = (prop >= k) & (acc >= k - 1)
+        cond.append(float((acc[prev_sel] >= k).mean()) if prev_sel.any() else float("nan"))
+    return {"survival_at": surv, "conditional_at": cond}
+
+
+def machine() -> dict:
+    import os
+
+    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "processor": platform.processor() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_json(path: str | Path, obj: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+    return path

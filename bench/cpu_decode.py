@@ -1,0 +1,142 @@
+"""CPU decoding benchmark, everything in one run on the same prompts (issue: ONNX Runtime DSpark runtime):
+HF transformers greedy generate, ONNX Runtime AR fp32, ONNX Runtime DSpark fp32.
+
+  python bench/cpu_decode.py --bundle BUNDLE [--prompts dev.jsonl] [--per-domain 2] [--max-new-tokens 128]
+
+Writes JSON (default bench/results/cpu_decode.json): tokens/s per method (median over prompts and overall),
+tau, position-wise acceptance, time split per round (draft / heads / verify / host), and the verifier's cost of an
+8-position step relative to a 1-position step.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from common import dev_rows, machine, position_acceptance, write_json
+
+
+def run_ort(rt, prompts, max_new, ar):
+    per_prompt, results, times = [], [], []
+    for p in prompts:
+        dec = rt.decoder([p], max_new_tokens=max_new, ar=ar)
+        for _ in dec:
+            pass
+        res = dec.results[0]
+        decode_s = dec.times.total - dec.times.prefill
+        per_prompt.append(len(res.token_ids) / decode_s if decode_s > 0 else 0.0)
+        results.append(res)
+        times.append(dec.times)
+    return per_prompt, results, times
+
+
+def verify_cost_ratio(rt, reps: int = 15) -> dict:
+    """Median time of a verifier step over 8 positions vs 1 position, same cache length (~200 positions)."""
+    from dspark.runtime.kv import KVCache
+
+    man = rt.manifest
+    t = man.target
+    cache = KVCache(t["num_layers"], 1, t["num_kv_heads"], 256, t["head_dim"])
+    cache.commit(0, 200)
+    block = man.block_size
+    vocab = t["vocab_size"]
+    out = {}
+    for n in (1, block + 1):
+        feeds = {"tokens": np.ones((1, n), np.int64), "past_mask": cache.past_mask(),
+                 "logit_index": np.arange(n, dtype=np.int64)[None], "verify_len": np.array([n - 1], np.int64),
+                 "temperature": np.zeros(1, np.float32), "accept_noise": np.ones((1, n), np.float32),
+                 "sample_noise": np.ones(1, np.float32), "draft_probs": np.zeros((1, block, vocab), np.float32),
+                 **cache.feeds}
+        for _ in range(3):
+            rt.backend.verifier.run(feeds)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            rt.backend.verifier.run(feeds)
+            ts.append(time.perf_counter() - t0)
+        out[n] = float(np.median(ts))
+    return {"step_1_ms": 1000 * out[1], f"step_{block + 1}_ms": 1000 * out[block + 1],
+            "ratio": out[block + 1] / out[1]}
+
+
+def run_hf(target: str, prompts_ids, max_new):
+    import torch
+
+    from dspark.models.target import load_target
+
+    hf = load_target(target).hf_model
+    rates, outs = [], []
+    for ids in prompts_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False)
+            d = time.perf_counter() - t0
+        n = out.shape[1] - len(ids)
+        rates.append(n / d)
+        outs.append(out[0, len(ids):].tolist())
+    return rates, outs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--target", default="smollm2-135m", help="for the HF transformers baseline")
+    ap.add_argument("--prompts")
+    ap.add_argument("--per-domain", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/cpu_decode.json")
+    args = ap.parse_args()
+
+    from dspark.runtime import Runtime
+
+    rows = dev_rows(args.prompts, per_domain=args.per_domain)
+    rt = Runtime(args.bundle)
+    ids = [rt.encode(r["prompt"]) for r in rows]
+    report = {"machine": machine(), "bundle": args.bundle, "manifest_sources": rt.manifest.sources,
+              "prompts": [{"domain": r.get("domain"), "source": r.get("source")} for r in rows],
+              "max_new_tokens": args.max_new_tokens, "methods": {}}
+    ar_rates, ar_res, ar_times = run_ort(rt, ids, args.max_new_tokens, ar=True)
+    ds_rates, ds_res, ds_times = run_ort(rt, ids, args.max_new_tokens, ar=False)
+    equal = [a.token_ids == d.token_ids for a, d in zip(ar_res, ds_res)]
+    tot = {k: sum(getattr(t, k) for t in ds_times) for k in ("draft", "heads", "verify", "total", "prefill")}
+    rounds = sum(t.rounds for t in ds_times)
+    host = tot["total"] - tot["prefill"] - tot["draft"] - tot["heads"] - tot["verify"]
+    report["methods"]["ort_ar_fp32"] = {
+        "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
+        "tokens": int(sum(len(r.token_ids) for r in ar_res))}
+    report["methods"]["ort_dspark_fp32"] = {
+        "tokens_per_s_median": float(np.median(ds_rates)), "per_prompt": ds_rates,
+        "tokens": int(sum(len(r.token_ids) for r in ds_res)),
+        "tau": float(np.mean([c for r in ds_res for c in r.committed])),
+        "greedy_equals_ar": all(equal),
+        **position_acceptance(ds_res, rt.manifest.block_size),
+        "per_round_ms": {k: 1000 * v / rounds for k, v in (("draft", tot["draft"]), ("heads", tot["heads"]),
+                                                              ("verify", tot["verify"]), ("host", host))},
+        "draft_plus_heads_over_verify": (tot["draft"] + tot["heads"]) / tot["verify"]}
+    report["verify_cost"] = verify_cost_ratio(rt)
+    if not args.skip_hf:
+        hf_rates, hf_out = run_hf(args.target, ids, args.max_new_tokens)
+        report["methods"]["hf_eager_greedy"] = {"tokens_per_s_median": float(np.median(hf_rates)),
+                                                "per_prompt": hf_rates,
+                                                "equals_ort_ar": [h == a.token_ids[:len(h)] or h[:len(a.token_ids)] == a.token_ids
+                                                                  for h, a in zip(hf_out, ar_res)]}
+        report["ratios"] = {"ort_ar_over_hf": report["methods"]["ort_ar_fp32"]["tokens_per_s_median"]
+                            / report["methods"]["hf_eager_greedy"]["tokens_per_s_median"]}
+    report.setdefault("ratios", {})["dspark_over_ort_ar"] = (report["methods"]["ort_dspark_fp32"]["tokens_per_s_median"]
+                                                            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
+    path = write_json(args.out, report)
+    m = report["methods"]
+    print(f"{'method':<18}{'tok/s (median)':>16}{'tau':>8}")
+    for name, v in m.items():
+        print(f"{name:<18}{v['tokens_per_s_median']:>16.1f}{v.get('tau', float('nan')):>8.2f}")
+    print(f"verify {rt.manifest.block_size + 1} vs 1 positions: x{report['verify_cost']['ratio']:.2f}; "
+          f"draft+heads / verify = {m['ort_dspark_fp32']['draft_plus_heads_over_verify']:.2f}; "
+          f"host per round {m['ort_dspark_fp32']['per_round_ms']['host']:.2f} ms")
+    print(f"ratios: {report['ratios']}  -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""`dspark-export check`: does a bundle compute what the PyTorch reference computes?
+
+At export time, `record_check_data` runs a short decode through the fresh bundle, captures real inputs of every
+graph (prefill, draft, heads, verify), evaluates the PyTorch modules on exactly those inputs and runs the PyTorch
+reference decoder; everything lands in BUNDLE/check/. `check_bundle` later needs only the bundle: ONNX Runtime
+vs the stored reference outputs through Polygraphy's comparator with per-output tolerances, then end-to-end
+greedy decoding (DSpark and AR) against the stored reference tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+
+CHECK_DIR = "check"
+CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"
+CHECK_TOKENS = 32
+CAPTURE = {"verifier": 2, "draft": 1, "heads": 1}  # first prefill + first verify, one draft, one heads call
+
+# Per-output tolerances (rtol, atol); integer and boolean outputs must match exactly.
+TOLERANCES = {
+    "taps": (1e-3, 2e-3), "new_kv": (1e-3, 1e-3), "hidden": (1e-3, 1e-3), "new_draft_kv": (1e-3, 1e-3),
+    "draft_probs": (1e-3, 1e-5), "survival": (1e-4, 1e-5), "conf_logits": (1e-3, 1e-4),
+}
+
+
+# ----------------------------------------------------------------------------------------- export side (torch)
+
+
+def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> None:
+    import torch
+
+    from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
+    from dspark.models.reference import generate_ar, generate_dspark
+    from dspark.runtime import Runtime
+
+    rt = Runtime(bundle)
+    captured: dict[str, list[dict]] = {k: [] for k in CAPTURE}
+    for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
+        graph.run = _recording(graph.run, captured[name], CAPTURE[name])
+    prompt_ids = rt.encode(CHECK_PROMPT)
+    for _ in rt.decoder([prompt_ids], max_new_tokens=max_tokens):
+        pass
+    modules = {"verifier": VerifierGraph(pair.target), "draft": DraftGraph(pair.drafter),
+               "heads": HeadsGraph(pair.drafter)}
+    out_dir = bundle / CHECK_DIR
+    out_dir.mkdir(exist_ok=True)
+    for name, calls in captured.items():
+        specs = rt.manifest.graphs[name]
+        fixed = [t.name for t in specs.inputs if "." not in t.name]
+        for i, feeds in enumerate(calls):
+            args = [torch.from_numpy(np.array(feeds[n])) for n in fixed]
+            past = [torch.from_numpy(np.array(feeds[t.name])) for t in specs.inputs if "." in t.name]
+            with torch.no_grad():
+                outs = modules[name](*args) if name == "heads" else modules[name](*args, past)
+            np.savez(out_dir / f"{name}_{i}_inputs.npz", **{k: np.array(v) for k, v in feeds.items()})
+            np.savez(out_dir / f"{name}_{i}_reference.npz",
+                     **{o.name: v.numpy() for o, v in zip(specs.outputs, outs)})
+    stop = tuple(rt.manifest.stop_token_ids)
+    ds = generate_dspark(pair.target, pair.drafter, [prompt_ids], max_tokens, stop_ids=stop)[0]
+    ar = generate_ar(pair.target, [prompt_ids], max_tokens, stop_ids=stop)[0]
+    (out_dir / "expected.json").write_text(json.dumps(
+        {"prompt": CHECK_PROMPT, "prompt_ids": prompt_ids, "max_new_tokens": max_tokens,
+         "reference_dspark": ds.token_ids, "reference_ar": ar.token_ids}) + "\n")
+
+
+def _recording(run, sink: list, limit: int):
+    def wrapped(feeds):
+        if len(sink) < limit:
+            sink.append({k: (v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else np.array(v))
+                         for k, v in feeds.items()})
+        return run(feeds)
+    return wrapped
+
+
+# ------------------------------------------------------------------------------------------ check side (no torch)
+
+
+@dataclass
+class CheckRow:
+    graph: str
+    call: str
+    output: str
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: str
+    passed: bool
+
+
+@dataclass
+class CheckReport:
+    bundle: str
+    rows: list[CheckRow]
+    e2e: dict
+    lint: list[dict] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return (all(r.passed for r in self.rows) and all(v["passed"] for v in self.e2e.values())
+                and not self.lint)
+
+    def to_dict(self) -> dict:
+        return {"bundle": self.bundle, "passed": self.passed, "graphs": [asdict(r) for r in self.rows],
+                "e2e": self.e2e, "trt_lint": self.lint}
+
+
+def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[CheckRow]:
+    """Polygraphy's comparator over the two result sets, with our per-output tolerances."""
+    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    rtol = {k: TOLERANCES.get(k, (0.0, 0.0))[0] for k in want}
+    atol = {k: TOLERANCES.get(k, (0.0, 0.0))[1] for k in want}
+    results = RunResults([("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]),
+                          ("pytorch-reference", [IterationResult(want, runner_name="pytorch-reference")])])
+    verdict = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(rtol=rtol, atol=atol))
+    passed = bool(verdict)
+    per_output = {}
+    for accuracy in verdict:  # one AccuracyResult per compare function
+        for iters in accuracy.values():
+            for it in iters:
+                for name, res in it.items():
+                    per_output[name] = bool(res)
+    rows = []
+    for name, ref in want.items():
+        a, b = got[name].astype(np.float64), ref.astype(np.float64)
+        err = np.abs(a - b)
+        rel = err / np.maximum(np.abs(b), 1e-12)
+        r, t = TOLERANCES.get(name, (0.0, 0.0))
+        rows.append(CheckRow(graph, call, name, float(err.max()) if err.size else 0.0,
+                             float(rel.max()) if rel.size else 0.0,
+                             "exact" if (r, t) == (0.0, 0.0) else f"rtol {r:g} atol {t:g}",
+                             per_output.get(name, passed)))
+    return rows
+
+
+def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
+    from dspark.runtime import Runtime
+
+    bundle = Path(bundle)
+    man = Manifest.read(bundle)
+    check_dir = bundle / CHECK_DIR
+    if not (check_dir / "expected.json").exists():
+        raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (exported with --no-check?); re-export it")
+    rt = Runtime(bundle)
+    rows: list[CheckRow] = []
+    for name, count in CAPTURE.items():
+        graph = getattr(rt.backend, name)
+        for i in range(count):
+            inputs, ref = check_dir / f"{name}_{i}_inputs.npz", check_dir / f"{name}_{i}_reference.npz"
+            if not inputs.exists():
+                continue
+            feeds = dict(np.load(inputs))
+            got = {k: v.numpy() for k, v in graph.run(feeds).items()}
+            want = dict(np.load(ref))
+            rows += _compare(name, f"call {i}", got, want)
+    expected = json.loads((check_dir / "expected.json").read_text())
+    e2e = {}
+    for mode, key in (("dspark", "reference_dspark"), ("ar", "reference_ar")):
+        res = rt.generate([expected["prompt_ids"]], max_new_tokens=expected["max_new_tokens"], ar=mode == "ar")[0]
+        want = expected[key]
+        first_diff = next((i for i, (a, b) in enumerate(zip(res.token_ids, want)) if a != b),
+                          None if len(res.token_ids) == len(want) else min(len(res.token_ids), len(want)))
+        e2e[mode] = {"passed": first_diff is None, "tokens": len(res.token_ids), "first_difference": first_diff,
+                     "tau": round(res.tau, 3)}
+    lint = None
+    if trt_lint:
+        from dspark.export.trt_lint import lint_bundle
+
+        lint = [asdict(f) for f in lint_bundle(bundle, man)]
+    return CheckReport(str(bundle), rows, e2e, lint)
+
+
+def format_report(rep: CheckReport) -> str:
+    lines = [f"{'graph':<9} {'call':<7} {'output':<14} {'max abs err':>12} {'max rel err':>12}  {'tolerance':<22} ok"]
+    for r in rep.rows:
+        lines.append(f"{r.graph:<9} {r.call:<7} {r.output:<14} {r.max_abs_err:>12.3g} {r.max_rel_err:>12.3g}  "
+                     f"{r.tolerance:<22} {'yes' if r.passed else 'NO'}")
+    for mode, v in rep.e2e.items():
+        verdict = "equal" if v["passed"] else f"DIFFERS at token {v['first_difference']}"
+        lines.append(f"greedy {mode:<7} {v['tokens']} tokens vs PyTorch reference: {verdict}")
+    if rep.lint is not None:
+        lines.append("TensorRT lint: " + ("clean" if not rep.lint else f"{len(rep.lint)} problem(s)"))
+        for f in rep.lint:
+            lines.append(f"  {f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
+    lines.append("PASS" if rep.passed else "FAIL")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""Training data: the target's own responses to prompts, generated with the fastest generator the project has
+(the ONNX Runtime bundle decoding autoregressively with continuous batching), cached and resumable."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+
+def interleave_domains(rows: list[dict]) -> list[int]:
+    """Row indices cycling over domains (math, chat, code, ...) so any prefix of the order is balanced."""
+    by_domain: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_domain.setdefault(r.get("domain", "all"), []).append(i)
+    queues = list(by_domain.values())
+    order: list[int] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    return order
+
+
+def read_responses(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interrupted run: ignore it, it is regenerated
+            continue
+    return out
+
+
+def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_tokens: int = 256,
+                       batch_size: int = 16, limit: int | None = None, threads: int | None = None,
+                       progress=None) -> list[dict]:
+    """Greedy target responses for `rows` (chat template applied), appended to out_path as they finish, with the
+    target's tap features of every processed position saved as fp16 in out_path.parent/taps/<index>.npy (the
+    verifier computes them anyway, so training needs no target forward pass beyond the last tapped layer).
+
+    Prompts already in out_path are skipped, so a killed run continues where it stopped."""
+    import numpy as np
+
+    from dspark.runtime import Runtime
+
+    done = {r["index"] for r in read_responses(out_path)}
+    order = [i for i in interleave_domains(rows) if i not in done]
+    if limit is not None:
+        order = order[:max(0, limit - len(done))]
+    if not order:
+        return read_responses(out_path)
+    rt = Runtime(bundle, threads=threads)
+    prompts = [rows[i]["prompt"] for i in order]
+    dec = rt.decoder(prompts, max_new_tokens=max_new_tokens, ar=True, batch_size=batch_size, record_taps=True)
+    taps_dir = out_path.parent / "taps"
+    taps_dir.mkdir(parents=True, exist_ok=True)
+    t0, tokens = time.perf_counter(), 0
+    with open(out_path, "a") as f:
+        for event in dec:
+            if not event.done:
+                continue
+            res = dec.results[event.request]
+            i = order[event.request]
+            np.save(taps_dir / f"{i}.npy", np.concatenate(res.taps))
+            res.taps = []
+            f.write(json.dumps({"index": i, "domain": rows[i].get("domain"), "prompt_ids": res.prompt_ids,
+                                "response_ids": res.token_ids, "stopped": res.stopped,
+                                "tap_ids": rt.manifest.draft["target_layer_ids"]}) + "\n")
+            f.flush()
+            tokens += len(res.token_ids)
+            if progress is not None:
+                progress(1, tokens / max(time.perf_counter() - t0, 1e-9))
+    return read_responses(out_path)
+
+
+def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
+    """Refuse to train on the benchmark prompts."""
+    if dev_path is None or not dev_path.exists():
+        return
+    dev = {json.loads(line)["prompt"] for line in dev_path.read_text(encoding="utf-8").split("\n") if line.strip()}
+    overlap = sum(r["prompt"] in dev for r in rows)
+    if overlap:
+        raise DSparkError(f"{overlap} training prompts are dev prompts; never train on the benchmark set")

@@ -1,0 +1,111 @@
+"""`dspark train`: generate the target's responses, then train and save a DeepSpec-format drafter."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from dspark.errors import DSparkError
+
+
+@dataclass
+class TrainRun:
+    target: str
+    prompts: Path
+    output: Path
+    data: Path | None = None
+    bundle: Path | None = None
+    max_prompts: int | None = None
+    max_new_tokens: int = 256
+    gen_batch: int = 16
+    layers: int = 2
+    block_size: int = 7
+    markov_rank: int = 48
+    markov_type: str = "vanilla"
+    intermediate_size: int = 1024
+    confidence: bool = True
+    loss: str = "dspark"
+    steps: int = 2000
+    lr: float = 6e-4
+    anchors: int = 32
+    seqs_per_step: int = 4
+    seed: int = 42
+
+    def _say(self, msg: str) -> None:
+        click.echo(f"[train {time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+    def _generation_bundle(self, pair) -> Path:
+        if self.bundle is not None:
+            return self.bundle
+        path = self.output / "work" / "target-bundle"
+        if not (path / "manifest.json").exists():
+            from dspark.export.onnx_export import export_bundle
+
+            self._say(f"exporting a generation bundle to {path}")
+            export_bundle(pair, path, force=True)
+        return path
+
+    def run(self, generate_only: bool = False) -> Path:
+        from dspark.cli import default_dev_prompts, read_prompts
+        from dspark.models.checkpoint import save_draft
+        from dspark.models.pair import Pair, random_drafter
+        from dspark.models.target import load_target
+        from dspark.train.data import check_prompts, generate_responses
+        from dspark.train.trainer import Trainer, TrainConfig, load_samples, split_samples
+
+        rows = read_prompts(self.prompts)
+        try:
+            check_prompts(rows, default_dev_prompts())
+        except DSparkError as e:
+            if "dev prompts" in str(e):
+                raise
+        data = self.data or self.output / "data"
+        loaded = load_target(self.target)
+        drafter = random_drafter(loaded, seed=self.seed, num_layers=self.layers, block_size=self.block_size,
+                                 markov_rank=self.markov_rank, markov_head_type=self.markov_type,
+                                 confidence_head=self.confidence, intermediate_size=self.intermediate_size)
+        target = loaded.wrapper(drafter.cfg.target_layer_ids)
+        bundle = self._generation_bundle(Pair(loaded, target, drafter, "random"))
+        self._say(f"generating responses into {data} (resumes where it stopped)")
+        done = [0]
+
+        def progress(k, tps):
+            done[0] += k
+            if done[0] % 25 == 0:
+                self._say(f"{done[0]} responses, {tps:.0f} tokens/s")
+
+        generate_responses(bundle, rows, data / "responses.jsonl", self.max_new_tokens, self.gen_batch,
+                           self.max_prompts, progress=progress)
+        if generate_only:
+            return data
+        samples = load_samples(data, drafter.cfg.target_layer_ids)
+        if not samples:
+            raise DSparkError(f"no usable responses in {data}")
+        cfg_kw = dict(steps=self.steps, lr=self.lr, anchors=self.anchors, seqs_per_step=self.seqs_per_step,
+                      seed=self.seed)
+        cfg = TrainConfig(**cfg_kw) if self.loss == "dspark" else TrainConfig.dflash(**cfg_kw)
+        train, held = split_samples(samples, cfg.holdout)
+        self.output.mkdir(parents=True, exist_ok=True)
+        with open(self.output / "heldout_prompts.jsonl", "w") as f:  # for `dspark calibrate --prompts`
+            for s in sorted(held, key=lambda s: s.index):
+                f.write(json.dumps(rows[s.index]) + "\n")
+        if torch.cuda.is_available():
+            target, drafter = target.cuda(), drafter.cuda()
+        trainer = Trainer(target, drafter, train, self.output, cfg)
+        if trainer.load_state():
+            self._say(f"resumed at step {trainer.step}")
+        self._say(f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps")
+        self.output.mkdir(parents=True, exist_ok=True)
+        with open(self.output / "train_log.jsonl", "a") as log:
+            history = trainer.run(log=log)
+        ckpt = save_draft(drafter.cpu(), self.output / "checkpoint")
+        summary = {"checkpoint": str(ckpt), "sequences": len(train), "held_out": sorted(s.index for s in held),
+                   "tokens": int(sum(len(s.tokens) - s.prompt_len for s in train)), "train_config": cfg.__dict__,
+                   "draft_config": drafter.cfg.to_dict(), "final": history[-1] if history else None}
+        (self.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._say(f"wrote {ckpt}")
+        return ckpt

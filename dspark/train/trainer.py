@@ -1,0 +1,223 @@
+"""DSpark drafter training (reference §6): packed blocks per sequence, CE + L1 + confidence BCE,
+AdamW with warmup + cosine, checkpoint and resume."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dspark.errors import DSparkError
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.target import TargetModel
+
+STATE = "train_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seqs_per_step: int = 4  # sequences per optimizer step (gradient accumulation)
+    anchors: int = 32  # anchors sampled per sequence
+    decay_gamma: float = 4.0  # position weights exp(-j / gamma)
+    alpha_ce: float = 0.1
+    alpha_l1: float = 0.9
+    alpha_conf: float = 1.0
+    seed: int = 42
+    save_every: int = 100
+    holdout: float = 0.05  # fraction of samples kept out of training (calibration / validation)
+
+    @classmethod
+    def dflash(cls, **kw) -> "TrainConfig":
+        """DeepSpec's DFlash baseline: CE only."""
+        return cls(alpha_ce=1.0, alpha_l1=0.0, alpha_conf=0.0, **kw)
+
+
+@dataclass
+class Sample:
+    index: int
+    tokens: np.ndarray  # prompt + response ids
+    prompt_len: int
+    taps_path: Path  # [len(tokens) - 1, m*d] fp16 target features
+
+
+def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
+    from dspark.train.data import read_responses
+
+    out = []
+    for r in read_responses(data_dir / "responses.jsonl"):
+        if tuple(r.get("tap_ids", ())) != tuple(tap_ids):
+            raise DSparkError(f"cached features use taps {r.get('tap_ids')}, the drafter needs {list(tap_ids)}; "
+                              f"regenerate the data for these taps")
+        tokens = np.asarray(r["prompt_ids"] + r["response_ids"], dtype=np.int64)
+        if len(r["response_ids"]) < 3:
+            continue
+        out.append(Sample(r["index"], tokens, len(r["prompt_ids"]), data_dir / "taps" / f"{r['index']}.npy"))
+    return out
+
+
+def split_samples(samples: list[Sample], holdout: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
+    """A fixed, seeded split by sample index (stable as more data arrives)."""
+    rng = np.random.default_rng(seed)
+    keys = {s.index: rng.random() for s in sorted(samples, key=lambda s: s.index)}
+    held = [s for s in samples if keys[s.index] < holdout]
+    return [s for s in samples if keys[s.index] >= holdout], held
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.steps * cfg.warmup))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, target: TargetModel, drafter: DSparkDrafter, samples: list[Sample], out_dir: Path,
+                 cfg: TrainConfig):
+        self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out_dir), cfg
+        self.tail_from = max(drafter.cfg.target_layer_ids) + 1
+        d = drafter.cfg.hidden_size
+        last = drafter.cfg.target_layer_ids.index(max(drafter.cfg.target_layer_ids))
+        self.last_tap = slice(last * d, (last + 1) * d)
+        for p in target.parameters():
+            p.requires_grad_(False)
+        for name, p in drafter.named_parameters():
+            p.requires_grad_(not name.startswith(("embed_tokens.", "lm_head.")))
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.rng = np.random.default_rng(cfg.seed)
+        self.order: list[int] = []
+        self.cursor = 0
+        self.history: list[dict] = []
+
+    # -- one sequence -----------------------------------------------------------------------------------------
+
+    def sequence_loss(self, s: Sample) -> tuple[torch.Tensor, dict]:
+        cfg, bk = self.cfg, self.drafter.cfg.block_size
+        taps = torch.from_numpy(np.load(s.taps_path).astype(np.float32))  # [T-1, m*d]
+        tokens = torch.from_numpy(s.tokens)
+        t = len(tokens)
+        # Anchors are response tokens followed by another response token (reference §6.2).
+        cand = np.arange(s.prompt_len, t - 1)
+        k = min(cfg.anchors, len(cand))
+        anchors = torch.from_numpy(np.sort(self.rng.choice(cand, size=k, replace=False)))
+        with torch.no_grad():
+            first = s.prompt_len - 1
+            hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
+            target_probs = torch.softmax(self.target.logits(hidden_t).float(), dim=-1)  # rows = positions first..T-2
+        hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
+        slot = torch.arange(bk)
+        pos = anchors[:, None] + slot[None]  # position whose next token slot j predicts
+        valid = (pos + 1 < t)
+        pos_c = torch.clamp(pos, max=t - 2)
+        labels = tokens[pos_c + 1]
+        prev = tokens[torch.clamp(pos, max=t - 1)]  # [anchor, y_1 .. y_{Bk-1}], teacher forced
+        logits, conf = self.drafter.teacher_forced_heads(hidden, prev)
+        weights = valid.float() * torch.exp(-slot.float() / cfg.decay_gamma)[None]
+        wsum = weights.sum().clamp(min=1e-6)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        ce = (ce.view_as(weights) * weights).sum() / wsum
+        p_t = target_probs[(pos_c - first).clamp(min=0)]
+        p_d = torch.softmax(logits.float(), dim=-1)
+        l1_each = (p_d - p_t).abs().sum(-1)  # [A, Bk], = 2 TV
+        l1 = (l1_each * weights).sum() / wsum
+        alpha = (1 - 0.5 * l1_each.detach()).clamp(0, 1)
+        loss = cfg.alpha_ce * ce + cfg.alpha_l1 * l1
+        bce = torch.zeros(())
+        if self.drafter.confidence_head is not None and cfg.alpha_conf > 0:
+            bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
+            bce = (bce * weights).sum() / wsum
+            loss = loss + cfg.alpha_conf * bce
+        acc_at = [(alpha[:, j][valid[:, j]].mean().item() if valid[:, j].any() else float("nan")) for j in range(bk)]
+        return loss, {"loss": loss.item(), "ce": ce.item(), "l1": l1.item(), "bce": bce.item(), "accept_at": acc_at}
+
+    # -- loop -------------------------------------------------------------------------------------------------
+
+    def next_sample(self) -> Sample:
+        if self.cursor >= len(self.order):
+            self.order = self.rng.permutation(len(self.samples)).tolist()
+            self.cursor = 0
+        s = self.samples[self.order[self.cursor]]
+        self.cursor += 1
+        return s
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        stats = []
+        for _ in range(cfg.seqs_per_step):
+            loss, st = self.sequence_loss(self.next_sample())
+            (loss / cfg.seqs_per_step).backward()
+            stats.append(st)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).item()
+        self.opt.step()
+        self.step += 1
+        acc = np.nanmean([s["accept_at"] for s in stats], axis=0)
+        out = {"step": self.step, "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm,
+               "loss": float(np.mean([s["loss"] for s in stats])), "ce": float(np.mean([s["ce"] for s in stats])),
+               "l1": float(np.mean([s["l1"] for s in stats])), "bce": float(np.mean([s["bce"] for s in stats])),
+               "accept_at": [round(float(a), 4) for a in acc],
+               "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
+        self.history.append(out)
+        return out
+
+    # -- checkpoint / resume ----------------------------------------------------------------------------------
+
+    def save_state(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"step": self.step, "model": self.drafter.trainable_state_dict(), "opt": self.opt.state_dict(),
+                 "rng": json.dumps(self.rng.bit_generator.state), "order": self.order, "cursor": self.cursor,
+                 "history": json.dumps(self.history), "config": json.dumps(asdict(self.cfg))}
+        tmp = self.out / (STATE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / STATE)
+
+    def load_state(self) -> bool:
+        path = self.out / STATE
+        if not path.exists():
+            return False
+        state = torch.load(path, weights_only=True)  # tensors, lists and strings only: no arbitrary pickles
+        saved = json.loads(state["config"])
+        if saved != asdict(self.cfg):
+            diff = {k: (saved.get(k), v) for k, v in asdict(self.cfg).items() if saved.get(k) != v}
+            raise DSparkError(f"{path} was written with other settings {diff}; use a new --output or the same flags")
+        self.drafter.load_state_dict(state["model"], strict=False)
+        self.opt.load_state_dict(state["opt"])
+        self.step = int(state["step"])
+        self.rng.bit_generator.state = json.loads(state["rng"])
+        self.order, self.cursor = list(state["order"]), int(state["cursor"])
+        self.history = json.loads(state["history"])
+        return True
+
+    def run(self, progress: bool = True, log=None) -> list[dict]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, dynamic_ncols=True)
+        t0 = time.perf_counter()
+        while self.step < self.cfg.steps:
+            st = self.train_step()
+            acc = st["accept_at"]
+            bar.set_postfix_str(f"loss {st['loss']:.3f} acc@1 {acc[0]:.2f} acc@4 {acc[min(3, len(acc) - 1)]:.2f} "
+                                f"tau~{st['tau_prob']:.2f}")
+            bar.update(1)
+            if log is not None:
+                log.write(json.dumps({**st, "elapsed_s": round(time.perf_counter() - t0, 1)}) + "\n")
+                log.flush()
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save_state()
+        bar.close()
+        return self.history
