@@ -47,3 +47,21 @@ def smollm2():
 
     pair = load_pair("smollm2-135m", "random:7")
     return pair, ChatTokenizer(pair.loaded.folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_v6(tmp_path_factory):
+    """A tiny random Llama pair (vocab 6, block 3) exported once per session: (hf, target, drafter, path)."""
+    from tiny import tiny_bundle
+
+    return tiny_bundle(tmp_path_factory.mktemp("tiny") / "bundle", family="llama", vocab=6, layers=2,
+                       block_size=3, seed=11)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded_once():
+    """Makes sure the GGUF has been converted (so CLI tests that load SmolLM2 do not pay it twice)."""
+    from dspark.models.target import load_target
+
+    load_target("smollm2-135m")
+    return True

@@ -94,7 +94,7 @@ def wrong_verify(target_probs, draft_next, draft_probs, verify_len, accept_noise
     p_tok = torch.gather(target_probs, 2, draft_next[..., None])[..., 0]
     q_tok = torch.gather(q_rows, 2, draft_next[..., None])[..., 0]
     ok = (p_tok >= 0.5 * q_tok) & (torch.arange(k)[None] < verify_len[:, None])
-    accepted = torch.cumprod(ok.long(), 1).sum(1)
+    accepted = (torch.cumsum((~ok).float(), 1) == 0).sum(1)
     pick = accepted.view(b, 1, 1).expand(b, 1, v)
     p_row, q_row = torch.gather(target_probs, 1, pick)[:, 0], torch.gather(q_rows, 1, pick)[:, 0]
     res = torch.clamp(p_row - q_row, min=0)

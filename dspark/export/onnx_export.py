@@ -110,7 +110,7 @@ def draft_example(pair: Pair) -> GraphExample:
     args = (
         torch.randn(b, ctx, c.num_taps * c.hidden_size, generator=g),
         torch.tensor([3, 2]),
-        torch.tensor([5, 7]),
+        torch.tensor([5, 7]) % c.vocab_size,
         torch.tensor([[1] * 4 + [0] * 5, [1] * 3 + [0] * 6]),
         past,
     )
@@ -127,7 +127,7 @@ def heads_example(pair: Pair) -> GraphExample:
     g = torch.Generator().manual_seed(2)
     args = (
         torch.randn(b, bk, c.hidden_size, generator=g),
-        torch.tensor([5, 7]),
+        torch.tensor([5, 7]) % c.vocab_size,
         torch.tensor([0.0, 1.0]),
         torch.rand(b, bk, generator=g),
         torch.tensor(c.sts_temperatures, dtype=torch.float32),

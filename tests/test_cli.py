@@ -1,0 +1,146 @@
+"""Bad input gets one line and a non-zero exit, never a traceback, never a half-written output."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from dspark.cli import export_cli, main_cli
+
+
+def run(cli, *args):
+    res = CliRunner().invoke(cli, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def one_line_error(code, out, needle):
+    assert code != 0, out
+    assert "Traceback" not in out, out
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    assert needle in out, out
+    assert len([line for line in lines if line.startswith("error:") or line.startswith("Error:")]) == 1, out
+
+
+@pytest.fixture()
+def bundle(tiny_bundle_v6, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_v6[3], dst)
+    return dst
+
+
+def test_help_works():
+    assert run(export_cli, "--help")[0] == 0
+    assert run(main_cli, "--help")[0] == 0
+    for cmd in ("run", "train", "calibrate", "reference", "demo"):
+        assert run(main_cli, cmd, "--help")[0] == 0
+    for cmd in ("onnx", "check"):
+        assert run(export_cli, cmd, "--help")[0] == 0
+
+
+def test_run_json_output(bundle):
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2 w3", "--max-new-tokens", 5, "--json")
+    assert code == 0, out
+    obj = json.loads(out)
+    assert {"text", "token_ids", "tau", "tokens_per_s", "rounds"} <= set(obj)
+    assert 1 <= len(obj["token_ids"]) <= 5
+
+
+def test_missing_bundle(tmp_path):
+    one_line_error(*run(main_cli, "run", tmp_path / "nope", "--prompt", "w1"), "not found")
+
+
+def test_corrupt_graph(bundle):
+    (bundle / "verifier.onnx").write_bytes(b"\x08garbage")
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "cannot load verifier.onnx")
+
+
+def test_missing_graph(bundle):
+    (bundle / "draft.onnx").unlink()
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "incomplete")
+
+
+def test_manifest_from_another_format_version(bundle):
+    man = json.loads((bundle / "manifest.json").read_text())
+    man["format_version"] = 99
+    (bundle / "manifest.json").write_text(json.dumps(man))
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "format version 99")
+
+
+def test_manifest_not_json(bundle):
+    (bundle / "manifest.json").write_text("{")
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "not valid JSON")
+
+
+def test_graph_not_matching_manifest(bundle):
+    shutil.copy2(bundle / "heads.onnx", bundle / "draft.onnx")
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "does not match the manifest")
+
+
+def test_empty_and_overlong_prompts(bundle):
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "   "), "empty prompt")
+    long_prompt = " ".join(["w1"] * 300)  # the tiny bundle holds 256 positions
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", long_prompt), "too long")
+
+
+def test_unknown_option_values(bundle):
+    for args in (["--temperature", "-1"], ["--threads", "0"], ["--max-new-tokens", "0"], ["--bogus"]):
+        code, out = run(main_cli, "run", bundle, "--prompt", "w1", *args)
+        assert code == 2 and "Traceback" not in out, out
+
+
+def test_export_refuses_existing_output_and_bad_draft(tmp_path, smollm2_loaded_once):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    one_line_error(*run(export_cli, "onnx", "--target", "smollm2-135m", "--draft", "random", "--output", out),
+                   "exists; pass --force")
+    assert (out / "keep.txt").read_text() == "mine"
+    one_line_error(*run(export_cli, "onnx", "--target", "smollm2-135m", "--draft", tmp_path / "missing",
+                        "--output", tmp_path / "c"), "not found")
+    assert not (tmp_path / "c").exists()
+
+
+def test_export_draft_that_does_not_fit(tmp_path, smollm2_loaded_once):
+    from dspark.models.checkpoint import save_draft
+    from tiny import tiny_pair
+
+    _, _, drafter = tiny_pair("llama", vocab=49152 // 512)
+    save_draft(drafter, tmp_path / "wrong", include_shared=True)
+    one_line_error(*run(export_cli, "onnx", "--target", "smollm2-135m", "--draft", tmp_path / "wrong",
+                        "--output", tmp_path / "c"), "does not fit the target")
+    assert not (tmp_path / "c").exists()
+
+
+def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch, tiny_bundle_v6):
+    import dspark.export.onnx_export as ox
+    from dspark.models.pair import Pair
+    from tiny import TinyLoaded
+
+    hf, target, drafter, _ = tiny_bundle_v6
+    calls = []
+
+    def failing(ex, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(ex, path)
+
+    real = ox.export_graph
+    monkeypatch.setattr(ox, "export_graph", failing)
+    pair = Pair(TinyLoaded(hf, tiny_bundle_v6[3]), target, drafter, "random")
+    with pytest.raises(KeyboardInterrupt):
+        ox.export_bundle(pair, tmp_path / "out", quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_and_check_cli_errors(bundle, tmp_path):
+    one_line_error(*run(main_cli, "calibrate", bundle, "--prompts", tmp_path / "none.jsonl"), "not found")
+    one_line_error(*run(export_cli, "check", tmp_path / "nope"), "not found")
+
+
+def test_cli_entry_points_exit_cleanly():
+    out = subprocess.run([sys.executable, "-m", "dspark.cli", "run", "/nonexistent", "--prompt", "x"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
