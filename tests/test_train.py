@@ -1,0 +1,130 @@
+"""Training on a tiny pair: losses fall, teacher forcing matches inference, resume is exact; STS calibration."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.calibration.sts import Rounds, auc, ece, fit_sts, reliability
+from dspark.train.trainer import Sample, Trainer, TrainConfig, lr_at, split_samples
+from tiny import tiny_pair
+
+
+def make_samples(tmp_path, target, drafter, n=6, length=24, seed=0):
+    """Sequences the tiny target generates itself, with taps cached the way the generator stores them."""
+    from dspark.models.reference import generate_ar
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 15, (6,), generator=g).tolist() for _ in range(n)]
+    outs = generate_ar(target, prompts, length)
+    samples = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        tokens = torch.tensor(p + o.token_ids)
+        with torch.no_grad():
+            step = target(tokens[None, :-1], torch.zeros(1, 1, dtype=torch.long), target.new_cache(1, 1))
+        path = tmp_path / f"{i}.npy"
+        np.save(path, step.taps[0].numpy().astype(np.float16))
+        samples.append(Sample(i, tokens.numpy(), len(p), path))
+    return samples
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    hf, target, drafter = tiny_pair("qwen3", vocab=16, block_size=4, layers=4, tap_ids=(0, 1, 2), draft_layers=1)
+    return target, drafter, make_samples(tmp_path, target, drafter)
+
+
+def test_losses_fall_and_acceptance_rises(setup, tmp_path):
+    target, drafter, samples = setup
+    tr = Trainer(target, drafter, samples, tmp_path / "run", TrainConfig(steps=60, seqs_per_step=2, anchors=8,
+                                                                         lr=3e-3, save_every=1000))
+    hist = tr.run(progress=False)
+    first, last = np.mean([h["loss"] for h in hist[:5]]), np.mean([h["loss"] for h in hist[-5:]])
+    assert last < 0.7 * first
+    assert np.mean([h["accept_at"][0] for h in hist[-5:]]) > np.mean([h["accept_at"][0] for h in hist[:5]]) + 0.1
+
+
+def test_resume_is_exact(setup, tmp_path):
+    target, drafter, samples = setup
+    import copy
+
+    cfg = TrainConfig(steps=4, seqs_per_step=1, anchors=4, save_every=2)
+    a = copy.deepcopy(drafter)
+    Trainer(target, a, samples, tmp_path / "straight", cfg).run(progress=False)
+    b = copy.deepcopy(drafter)
+    tr = Trainer(target, b, samples, tmp_path / "killed", cfg)
+    tr.cfg = TrainConfig(**{**cfg.__dict__})
+    for _ in range(2):
+        tr.train_step()
+    tr.save_state()
+    c = copy.deepcopy(drafter)
+    resumed = Trainer(target, c, samples, tmp_path / "killed", cfg)
+    assert resumed.load_state() and resumed.step == 2
+    resumed.run(progress=False)
+    for (k, v), (_, w) in zip(a.trainable_state_dict().items(), c.trainable_state_dict().items()):
+        torch.testing.assert_close(v, w, msg=k)
+
+
+def test_resume_refuses_other_settings(setup, tmp_path):
+    from dspark.errors import DSparkError
+
+    target, drafter, samples = setup
+    tr = Trainer(target, drafter, samples, tmp_path / "r", TrainConfig(steps=2, seqs_per_step=1, anchors=4))
+    tr.train_step()
+    tr.save_state()
+    other = Trainer(target, drafter, samples, tmp_path / "r", TrainConfig(steps=2, seqs_per_step=1, anchors=8))
+    with pytest.raises(DSparkError, match="other settings"):
+        other.load_state()
+
+
+def test_warmup_cosine_schedule():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.5, abs=0.02) and lr_at(99, cfg) < 0.01
+
+
+def test_split_is_stable_as_data_grows():
+    mk = lambda n: [Sample(i, np.zeros(3, dtype=np.int64), 1, None) for i in range(n)]  # noqa: E731
+    _, held_small = split_samples(mk(200), 0.1)
+    _, held_big = split_samples(mk(400), 0.1)
+    assert {s.index for s in held_small} <= {s.index for s in held_big}
+    assert 5 < len(held_small) < 40
+
+
+def test_metrics_against_known_values():
+    pred = np.array([0.1, 0.4, 0.35, 0.8])
+    label = np.array([0.0, 0.0, 1.0, 1.0])
+    assert auc(pred, label) == pytest.approx(0.75)
+    assert ece(np.array([0.2, 0.2, 0.8, 0.8]), np.array([0.0, 1.0, 1.0, 1.0])) == pytest.approx(0.25)
+
+
+def test_sts_fixes_an_overconfident_head():
+    rng = np.random.default_rng(0)
+    n, bk = 6000, 5
+    z = rng.normal(1.5, 2.0, (n, bk))
+    accepted_each = rng.random((n, bk)) < 1 / (1 + np.exp(-z / 2.5))  # the truth is sigmoid(z / 2.5)
+    rounds = Rounds(z, np.full(n, bk), np.cumprod(accepted_each, axis=1).sum(axis=1))
+    temps = fit_sts(rounds)
+    assert np.all(np.abs(temps - 2.5) < 0.8)
+    before = [r["ece"] for r in reliability(rounds, np.ones(bk))]
+    after = [r["ece"] for r in reliability(rounds, temps)]
+    assert max(after) < 0.03 < min(before)
+    # temperature scaling is monotone: the ranking, hence AUC, is unchanged at position 1
+    assert reliability(rounds, temps)[0]["auc"] == pytest.approx(reliability(rounds, np.ones(bk))[0]["auc"])
+
+
+def test_calibrate_writes_manifest_plot_and_report(tiny_bundle_v6, tmp_path):
+    import shutil
+
+    from dspark.bundle import Manifest
+    from dspark.calibration.calibrate import calibrate
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle_v6[3], bundle)
+    prompts = [" ".join(f"w{(i * 7 + j) % 5}" for j in range(4)) for i in range(40)]
+    rep = calibrate(bundle, prompts, tmp_path / "cal", max_new_tokens=24, temperature=1.0)
+    man = Manifest.read(bundle)
+    assert man.calibration["sts_temperatures"] == rep["sts_temperatures"]
+    assert len(rep["after"]) == man.block_size and rep["rounds"] > 50
+    assert (tmp_path / "cal" / "reliability.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["rounds"] == rep["rounds"]
