@@ -14,7 +14,7 @@ from torch import nn
 
 from dspark.errors import DSparkError
 from dspark.models.config import TargetConfig
-from dspark.models.layers import apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
+from dspark.models.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.resolve import cache_dir, resolve_target
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -57,6 +57,7 @@ class TargetModel(nn.Module):
         self.norm = body.norm
         self.lm_head = hf_model.lm_head
         self.qk_norm = self.cfg.family == "qwen3"
+        self.eps = self.cfg.rms_norm_eps
         self.register_buffer("inv_freq", rope_inv_freq(self.cfg.rope, self.cfg.head_dim), persistent=False)
 
     def _attention(self, layer: nn.Module, x: torch.Tensor, cos, sin, k_past, v_past, past_mask, new_mask):
@@ -67,8 +68,8 @@ class TargetModel(nn.Module):
         v = split_heads(attn.v_proj(x), hd)
         if self.qk_norm:
             b, t, _ = x.shape
-            q = attn.q_norm(q.view(b, t, -1, hd)).transpose(1, 2)
-            k = attn.k_norm(k.view(b, t, -1, hd)).transpose(1, 2)
+            q = rms_norm(q.view(b, t, -1, hd), attn.q_norm.weight, self.eps).transpose(1, 2)
+            k = rms_norm(k.view(b, t, -1, hd), attn.k_norm.weight, self.eps).transpose(1, 2)
         else:
             q, k = split_heads(q, hd), split_heads(k, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -87,14 +88,18 @@ class TargetModel(nn.Module):
         taps = {-1: x} if -1 in self.tap_ids else {}
         new_kv = []
         for i, layer in enumerate(self.layers):
-            a, k, v = self._attention(layer, layer.input_layernorm(x), cos, sin, past_kv[i][0], past_kv[i][1], pm, nm)
+            a, k, v = self._attention(layer, self._norm(layer.input_layernorm, x), cos, sin, past_kv[i][0],
+                                      past_kv[i][1], pm, nm)
             x = x + a
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
             new_kv.append(torch.stack([k, v]))
             if i in self.tap_ids:
                 taps[i] = x
         tap_tensor = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else x[..., :0]
-        return TargetStep(hidden=self.norm(x), taps=tap_tensor, new_kv=torch.stack(new_kv))
+        return TargetStep(hidden=self._norm(self.norm, x), taps=tap_tensor, new_kv=torch.stack(new_kv))
+
+    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, module.weight, self.eps)
 
     def tail(self, h: torch.Tensor, first_layer: int) -> torch.Tensor:
         """Final hidden states [B, T, d] from the residual stream `h` entering `first_layer` at positions 0..T-1
@@ -103,20 +108,13 @@ class TargetModel(nn.Module):
         positions = torch.arange(t, device=h.device)[None].expand(b, t)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None, None]
+        empty = h.new_zeros(b, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
         for layer in self.layers[first_layer:]:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            hd = self.cfg.head_dim
-            q, k, v = attn.q_proj(x), attn.k_proj(x), split_heads(attn.v_proj(x), hd)
-            if self.qk_norm:
-                q = attn.q_norm(q.view(b, t, -1, hd)).transpose(1, 2)
-                k = attn.k_norm(k.view(b, t, -1, hd)).transpose(1, 2)
-            else:
-                q, k = split_heads(q, hd), split_heads(k, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            h = h + attn.o_proj(grouped_attention(q, [k], [v], [causal], attn.scaling))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            a, _, _ = self._attention(layer, self._norm(layer.input_layernorm, h), cos, sin, empty, empty,
+                                      causal[..., :0], causal)
+            h = h + a
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+        return self._norm(self.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
