@@ -58,6 +58,12 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
     return rows[:limit] if limit else rows
 
 
+def verify_positions(bundle: Path) -> int:
+    from dspark.bundle import Manifest
+
+    return Manifest.read(bundle).block_size + 1
+
+
 def default_dev_prompts() -> Path:
     import os
 
@@ -172,6 +178,32 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, th
                f"{res.rounds} rounds, {res.tokens_per_s:.1f} tokens/s", err=True)
 
 
+@main_cli.command("bench")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--concurrency", "-R", default=1, show_default=True, type=click.IntRange(1, 4096),
+              help="Requests decoding at once (continuous batching).")
+@click.option("--policy", default="schedule", show_default=True,
+              help="ar | all | fixed:GAMMA | static:THRESHOLD | schedule | topk")
+@click.option("--prompts", type=click.Path(path_type=Path), help="JSONL prompts (default: dev prompts).")
+@click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
+@click.option("--json", "as_json", is_flag=True)
+def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, temperature, as_json):
+    """Throughput of BUNDLE with R concurrent requests: aggregate and per-request tokens/s, tau, verify budget."""
+    from dspark.runtime import Runtime
+    from dspark.runtime.bench import run_batch
+
+    rows = read_prompts(prompts or default_dev_prompts(), limit=limit)
+    res = run_batch(Runtime(bundle), [r["prompt"] for r in rows], concurrency, policy, max_new_tokens, temperature)
+    if as_json:
+        click.echo(json.dumps(res.as_dict()))
+        return
+    click.echo(f"{res.policy} R={res.concurrency}: {res.tokens_per_s:.1f} tok/s aggregate, "
+               f"{res.per_request_tokens_per_s:.1f} tok/s per request, tau {res.tau:.2f}, "
+               f"verify budget {res.mean_verify_budget:.2f} drafts/request/round ({res.requests} requests)")
+
+
 @main_cli.command("train")
 @click.option("--target", required=True, help="HF folder, .gguf file, or short name.")
 @click.option("--prompts", required=True, type=click.Path(path_type=Path), help="JSONL prompts (never dev.jsonl).")
@@ -212,8 +244,12 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
 
 @main_cli.command("calibrate")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--prompts", required=True, type=click.Path(path_type=Path),
+@click.option("--prompts", type=click.Path(path_type=Path),
               help="JSONL prompts NOT used for training (e.g. OUTPUT/heldout_prompts.jsonl of `dspark train`).")
+@click.option("--sps", "sps_only", is_flag=True,
+              help="Instead: profile the verifier's steps/s per batch-token count into the manifest.")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 512),
+              help="With --sps: the largest batch profiled.")
 @click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
               help="Also store the temperatures in this DeepSpec checkpoint's config.json.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Where calibration.json and "
@@ -222,8 +258,23 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0),
               help="Decode temperature the calibration is for (acceptance depends on it).")
-def calibrate_cmd(bundle, prompts, draft_dir, out_dir, limit, max_new_tokens, temperature):
-    """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per position)."""
+def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_new_tokens, temperature):
+    """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per
+    position), or with --sps the throughput table the prefix scheduler needs."""
+    if sps_only:
+        from dspark.calibration.sps import profile, write_sps
+        from dspark.runtime import Runtime
+
+        result = profile(Runtime(bundle), max_batch=max_batch)
+        write_sps(bundle, result)
+        table = result["sps_table"]
+        click.echo(f"SPS table for 1..{len(table)} batch tokens written to {bundle}/manifest.json")
+        for m in result["sps_measurements"]:
+            if m["positions"] in (1, verify_positions(bundle)):
+                click.echo(f"  batch {m['batch']:>3} x {m['positions']} positions: {m['steps_per_s']:.1f} steps/s")
+        return
+    if prompts is None:
+        raise DSparkError("give --prompts FILE (held-out prompts) or --sps")
     from dspark.calibration.calibrate import calibrate
 
     rows = read_prompts(prompts, limit=limit)
@@ -286,11 +337,60 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
 
 
 @main_cli.command("demo")
-@click.pass_context
-def demo_cmd(ctx):
-    """The reference DSpark decode of a dev prompt on SmolLM2-135M-Instruct, checked against AR decoding."""
-    ctx.invoke(reference_cmd, target="smollm2-135m", draft="random", prompt=None, max_new_tokens=64,
-               temperature=0.0, seed=0, threshold=0.0, check_ar=True, as_json=False)
+@click.option("--bundle", type=click.Path(path_type=Path),
+              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark).")
+@click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
+              help="Dev prompts to decode (one per domain first).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
+def demo_cmd(bundle, n_prompts, max_new_tokens):
+    """Convert SmolLM2-135M-Instruct + the demo DSpark drafter, then decode dev prompts with DSpark and with
+    autoregressive decoding on ONNX Runtime: text, tau, and the speedup measured in this run."""
+    import time
+
+    from dspark.resolve import DRAFTS, cache_dir
+    from dspark.runtime import Runtime
+
+    draft = "smollm2-135m-dspark"
+    if not (DRAFTS[draft]() / "config.json").exists():
+        raise DSparkError(f"the demo drafter {draft} is missing from this installation")
+    bundle = bundle or cache_dir() / "bundles" / draft
+    if not (bundle / "manifest.json").exists():
+        click.echo(f"converting smollm2-135m + {draft} -> {bundle} (once; a few minutes on 2 cores)", err=True)
+        from dspark.export.onnx_export import Progress, export_bundle
+        from dspark.models.pair import load_pair
+
+        progress = Progress(6)
+        with progress.step("loading target and draft"):
+            pair = load_pair("smollm2-135m", draft)
+        export_bundle(pair, bundle, force=True, progress=progress)
+    rt = Runtime(bundle)
+    rows = read_prompts(default_dev_prompts())
+    by_domain: dict[str, list[dict]] = {}
+    for r in rows:
+        by_domain.setdefault(r.get("domain", "all"), []).append(r)
+    picked = [r for group in zip(*by_domain.values()) for r in group][:n_prompts]
+    totals = {"dspark": [0, 0.0], "ar": [0, 0.0]}
+    taus = []
+    for r in picked:
+        outs = {}
+        for mode in ("ar", "dspark"):
+            t0 = time.perf_counter()
+            res = rt.generate([r["prompt"]], max_new_tokens=max_new_tokens, ar=mode == "ar")[0]
+            seconds = time.perf_counter() - t0
+            totals[mode][0] += len(res.token_ids)
+            totals[mode][1] += seconds
+            outs[mode] = (res, seconds)
+        ds, ar = outs["dspark"][0], outs["ar"][0]
+        taus += ds.committed
+        click.echo(f"\n[{r.get('domain')}] {r['prompt'][:200]}\n")
+        click.echo(rt.tokenizer.decode(ds.token_ids).strip())
+        click.echo(f"\n  DSpark: {len(ds.token_ids)} tokens, tau {ds.tau:.2f}, {len(ds.token_ids) / outs['dspark'][1]:.1f} tok/s"
+                   f" | AR: {len(ar.token_ids) / outs['ar'][1]:.1f} tok/s | identical to AR: "
+                   f"{'yes' if ds.token_ids == ar.token_ids else 'NO'}")
+    ds_rate = totals["dspark"][0] / totals["dspark"][1]
+    ar_rate = totals["ar"][0] / totals["ar"][1]
+    click.echo(f"\nDSpark {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s on ONNX Runtime (fp32, batch 1): "
+               f"speedup x{ds_rate / ar_rate:.2f}, tau {sum(taus) / max(1, len(taus)):.2f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ VERIFIER_INPUTS = ("tokens", "past_mask", "logit_index", "verify_len", "temperat
 VERIFIER_OUTPUTS = ("accepted", "next_token", "taps", "new_kv")
 DRAFT_INPUTS = ("ctx_features", "ctx_count", "anchor", "past_mask")  # then draft_past.{l}.key / .value
 DRAFT_OUTPUTS = ("hidden", "new_draft_kv")
-HEADS_INPUTS = ("hidden", "anchor", "temperature", "draft_noise", "conf_temperatures", "threshold")
+HEADS_INPUTS = ("hidden", "anchor", "temperature", "draft_noise", "conf_temperatures", "threshold", "sps", "budget",
+                "active", "mode", "layout")
 HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verify_mask", "conf_logits")
 
 
@@ -66,11 +67,12 @@ class HeadsGraph(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, hidden, anchor, temperature, draft_noise, conf_temperatures, threshold):
+    def forward(self, hidden, anchor, temperature, draft_noise, conf_temperatures, threshold, sps, budget, active,
+                mode, layout):
         block = self.drafter.sample_block(hidden, anchor, temperature, draft_noise)
         if self.drafter.confidence_head is None:
             survival = torch.ones_like(draft_noise)
         else:
             survival = prefix_survival(block.conf_logits, conf_temperatures)
-        verify_len, verify_mask = confidence_truncate(survival, threshold)
+        verify_len, verify_mask = confidence_truncate(survival, threshold, sps, budget, active, mode, layout)
         return block.tokens, block.probs, survival, verify_len, verify_mask, block.conf_logits

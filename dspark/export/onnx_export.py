@@ -132,9 +132,15 @@ def heads_example(pair: Pair) -> GraphExample:
         torch.rand(b, bk, generator=g),
         torch.tensor(c.sts_temperatures, dtype=torch.float32),
         torch.tensor([0.0, 0.5]),
+        torch.tensor([50.0, 40.0, 30.0, 20.0, 10.0]),
+        torch.tensor([3]),
+        torch.tensor([True, True]),
+        torch.tensor([0]),
+        torch.tensor([1]),
     )
     dims = {"hidden": {0: "batch"}, "anchor": {0: "batch"}, "temperature": {0: "batch"},
-            "draft_noise": {0: "batch"}, "conf_temperatures": {}, "threshold": {0: "batch"}}
+            "draft_noise": {0: "batch"}, "conf_temperatures": {}, "threshold": {0: "batch"}, "sps": {0: "sps"},
+            "budget": {}, "active": {0: "batch"}, "mode": {}, "layout": {}}
     return GraphExample(HeadsGraph(pair.drafter), args, HEADS_INPUTS, HEADS_OUTPUTS, dims)
 
 

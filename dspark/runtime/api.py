@@ -38,11 +38,11 @@ class Runtime:
 
     def decoder(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                 seed: int = 0, threshold: float = 0.0, ar: bool = False, batch_size: int | None = None,
-                record_taps: bool = False, record_confidence: bool = False) -> Decoder:
+                record_taps: bool = False, record_confidence: bool = False, policy=None) -> Decoder:
         """Requests beyond `batch_size` wait in a queue and take the first slot that frees up."""
         return Decoder(self.backend, self.manifest, [self.encode(p) for p in prompts], max_new_tokens,
                        temperature=temperature, seed=seed, threshold=threshold, ar=ar, batch_size=batch_size,
-                       record_taps=record_taps, record_confidence=record_confidence)
+                       record_taps=record_taps, record_confidence=record_confidence, policy=policy)
 
     def generate(self, prompts: Sequence[Prompt], **kw) -> list[RequestResult]:
         dec = self.decoder(prompts, **kw)
@@ -52,14 +52,20 @@ class Runtime:
 
     def stream(self, prompt: Prompt, **kw) -> Iterator[str]:
         """Yields decoded text pieces of one request as they are committed."""
-        dec = self.decoder([prompt], **kw)
-        ids: list[int] = []
-        shown = ""
-        for event in dec:
-            ids += event.token_ids
-            text = self.tokenizer.decode(ids)
-            if text.startswith(shown) and not text.endswith("\ufffd"):
-                piece, shown = text[len(shown):], text
-                if piece:
-                    yield piece
+        for _, piece in self.stream_many([prompt], **kw):
+            yield piece
+
+    def stream_many(self, prompts: Sequence[Prompt], **kw) -> Iterator[tuple[int, str]]:
+        """Per-request streams of a concurrent batch: yields (request index, text piece) as rounds commit."""
+        dec = self.decoder(prompts, **kw)
         self.last = dec
+        ids: list[list[int]] = [[] for _ in prompts]
+        shown = [""] * len(prompts)
+        for event in dec:
+            i = event.request
+            ids[i] += event.token_ids
+            text = self.tokenizer.decode(ids[i])
+            if text.startswith(shown[i]) and not text.endswith("\ufffd"):
+                piece, shown[i] = text[len(shown[i]):], text
+                if piece:
+                    yield i, piece

@@ -18,6 +18,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
 from dspark.runtime.kv import KVCache
+from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Decoder:
     def __init__(self, backend, manifest: Manifest, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0, threshold: float = 0.0, ar: bool = False,
                  batch_size: int | None = None, capacity: int | None = None, record_taps: bool = False,
-                 record_confidence: bool = False):
+                 record_confidence: bool = False, policy: VerifyPolicy | None = None):
         if not prompts:
             raise DSparkError("no prompts given")
         if any(len(p) == 0 for p in prompts):
@@ -106,9 +107,10 @@ class Decoder:
         self.record_confidence = record_confidence
         self.confidence_log: list[tuple[np.ndarray, int, int]] = []  # (conf logits [Bk], verified, accepted)
         self.seed = seed
-        self.temp_value, self.threshold_value = float(temperature), float(threshold)
         self.temperature = np.full(b, temperature, dtype=np.float32)
-        self.threshold = np.full(b, threshold, dtype=np.float32)
+        self.policy = policy or VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold)
+        self.planner = RoundPlanner(self.policy, b, manifest.calibration.get("sps_table"))
+        self.verify_budget: list[int] = []  # drafts verified per round, summed over requests
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)
         self.results = [RequestResult(prompt_ids=list(p)) for p in prompts]
@@ -139,31 +141,42 @@ class Decoder:
         })
         return out["accepted"].numpy(), out["next_token"].numpy(), out["taps"].numpy(), out["new_kv"].numpy()
 
-    def _admit(self, slot: int, req: int) -> Event:
-        """Prefill request `req` into `slot` with a batch-1 call on that slot's cache views."""
-        prompt = self.prompts[req]
-        n = len(prompt)
-        self.slot_req[slot] = req
-        self.noise[slot] = RequestNoise(self.seed, req)
-        self.kv.commit(slot, 0)
-        self.dkv.commit(slot, 0)
-        self.kv.check_room(slot, n)
-        res = self.results[req]
-        res.started = time.perf_counter()
+    def _admit(self, slots: list[int], reqs: list[int]) -> list[Event]:
+        """Prefill requests into free slots with one verifier call. A prefill has no past, so it runs against a
+        1-position dummy cache and its K/V are written into each slot's cache afterwards."""
+        prompts = [self.prompts[r] for r in reqs]
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        tokens = np.zeros((len(reqs), int(lengths.max())), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        for slot, req in zip(slots, reqs):
+            self.slot_req[slot] = req
+            self.noise[slot] = RequestNoise(self.seed, req)
+            self.kv.commit(slot, 0)
+            self.dkv.commit(slot, 0)
+            self.kv.check_room(slot, tokens.shape[1])
+            self.results[req].started = time.perf_counter()
+        n = len(reqs)
+        t = self.man.target
+        empty = np.zeros((n, t["num_kv_heads"], 1, t["head_dim"]), dtype=np.float32)
+        src = [self.noise[s] for s in slots]
         t0 = time.perf_counter()
-        src = [self.noise[slot]]
         _, first, taps, new_kv = self._verify(
-            self.kv.slot_feeds(slot), self.kv.past_mask()[slot:slot + 1], np.asarray([prompt], dtype=np.int64),
-            np.asarray([[n - 1]], dtype=np.int64), self._zero[:1], self.temperature[:1], stack(src, 1),
-            stack(src, 1)[:, 0], self._no_drafts[:1])
+            {name: empty for name, _, _ in self.kv.names}, np.zeros((n, 1), dtype=np.int64), tokens,
+            (lengths - 1)[:, None], self._zero[:n], self.temperature[:n], stack(src, 1), stack(src, 1)[:, 0],
+            self._no_drafts[:n])
         self.times.prefill += time.perf_counter() - t0
-        self.kv.write(new_kv, 0, n, slot=slot)
-        self.kv.commit(slot, n)
-        if self.record_taps:
-            res.taps.append(taps[0, :n].astype(np.float16))
-        self._set_ctx(slot, taps[0], n)
-        self.anchor[slot] = first[0]
-        return Event(req, self._take(slot, [int(first[0])]), res.done)
+        events = []
+        for i, (slot, req) in enumerate(zip(slots, reqs)):
+            count = int(lengths[i])
+            self.kv.write(new_kv, i, count, slot=slot)
+            self.kv.commit(slot, count)
+            if self.record_taps:
+                self.results[req].taps.append(taps[i, :count].astype(np.float16))
+            self._set_ctx(slot, taps[i], count)
+            self.anchor[slot] = first[i]
+            events.append(Event(req, self._take(slot, [int(first[i])]), self.results[req].done))
+        return events
 
     def _set_ctx(self, slot: int, rows: np.ndarray, count: int) -> None:
         if count > self.ctx.shape[1]:
@@ -189,12 +202,13 @@ class Decoder:
         noises = [src if alive else None for src, alive in zip(self.noise, live)]
         heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
                                         "temperature": self.temperature, "draft_noise": stack(noises, self.bk),
-                                        "conf_temperatures": self.conf_temps, "threshold": self.threshold})
+                                        "conf_temperatures": self.conf_temps, **self.planner.feeds(live)})
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
         self._conf = heads["conf_logits"].numpy() if self.record_confidence else None
-        return heads["draft_tokens"].numpy(), heads["draft_probs"], heads["verify_len"].numpy()
+        verify_len = self.planner.after(heads["survival"].numpy(), live, heads["verify_len"].numpy())
+        return heads["draft_tokens"].numpy(), heads["draft_probs"], verify_len
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
 
@@ -215,15 +229,26 @@ class Decoder:
             res.seconds = time.perf_counter() - res.started
         return out
 
-    def _fill_free_slots(self) -> Iterator[Event]:
-        for slot in range(self.batch):
-            while self.slot_req[slot] < 0 or self.results[self.slot_req[slot]].done:
-                if not self.queue:
-                    self.slot_req[slot] = -1
-                    self.noise[slot] = None
-                    self.ctx_count[slot] = 0
+    def _fill_free_slots(self, max_prefill_tokens: int = 8192) -> Iterator[Event]:
+        """Admit queued requests into free slots (prefilled together, in chunks of at most max_prefill_tokens)."""
+        while True:
+            free = [s for s in range(self.batch) if self.slot_req[s] < 0 or self.results[self.slot_req[s]].done]
+            if not free or not self.queue:
+                break
+            slots, reqs, longest = [], [], 0
+            while free and self.queue:
+                nxt = len(self.prompts[self.queue[0]])
+                if reqs and max(longest, nxt) * (len(reqs) + 1) > max_prefill_tokens:
                     break
-                yield self._admit(slot, self.queue.popleft())
+                longest = max(longest, nxt)
+                slots.append(free.pop(0))
+                reqs.append(self.queue.popleft())
+            yield from self._admit(slots, reqs)  # a request may finish at once (stop token): loop again
+        for slot in range(self.batch):
+            if self.slot_req[slot] >= 0 and self.results[self.slot_req[slot]].done:
+                self.slot_req[slot] = -1
+                self.noise[slot] = None
+                self.ctx_count[slot] = 0
 
     # -- loop -------------------------------------------------------------------------------------------------
 
@@ -240,6 +265,7 @@ class Decoder:
             else:
                 drafts, draft_probs, verify_len = self._draft(live)
                 verify_len = np.where(live, verify_len, 0)
+                self.verify_budget.append(int(verify_len.sum()))
                 t = 1 + int(verify_len.max())
                 tokens = np.concatenate([self.anchor[:, None], drafts[:, :t - 1]], axis=1)
             logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()

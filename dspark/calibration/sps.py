@@ -1,0 +1,58 @@
+"""Profile the verifier's steps/s per batch-token count on the actual backend, for the prefix scheduler.
+
+The ONNX Runtime verifier runs padded [R, T] batches, so a step over n = R * T tokens is measured at that shape
+for R = 1..max_batch and T = 1..Bk+1; counts in between (used by the flat layout) are interpolated.
+Stored in the manifest as calibration.sps_table (entry n-1 = steps/s at n tokens) with the raw measurements."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark.bundle import MANIFEST, Manifest
+
+
+def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
+    from dspark.runtime.kv import KVCache
+
+    man = rt.manifest
+    t = man.target
+    bk = man.block_size
+    vocab = t["vocab_size"]
+    measured: dict[int, float] = {}
+    raw = []
+    for r in range(1, max_batch + 1):
+        cache = KVCache(t["num_layers"], r, t["num_kv_heads"], context + bk + 1, t["head_dim"])
+        for slot in range(r):
+            cache.commit(slot, context)
+        probs = np.zeros((r, bk, vocab), np.float32)
+        for steps in range(1, bk + 2):
+            feeds = {"tokens": np.ones((r, steps), np.int64), "past_mask": cache.past_mask(),
+                     "logit_index": np.broadcast_to(np.arange(steps, dtype=np.int64), (r, steps)).copy(),
+                     "verify_len": np.full(r, steps - 1, np.int64), "temperature": np.zeros(r, np.float32),
+                     "accept_noise": np.ones((r, steps), np.float32), "sample_noise": np.ones(r, np.float32),
+                     "draft_probs": probs, **cache.feeds}
+            rt.backend.verifier.run(feeds)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                rt.backend.verifier.run(feeds)
+                times.append(time.perf_counter() - t0)
+            sps = 1.0 / float(np.median(times))
+            n = r * steps
+            measured[n] = max(measured.get(n, 0.0), sps)  # the best shape reaching n tokens
+            raw.append({"batch": r, "positions": steps, "tokens": n, "steps_per_s": sps})
+    ns = np.array(sorted(measured))
+    table = np.interp(np.arange(1, ns.max() + 1), ns, [measured[n] for n in ns])
+    return {"sps_table": [float(x) for x in table], "sps_measurements": raw, "sps_context": context,
+            "sps_backend": rt.backend.kind}
+
+
+def write_sps(bundle: Path, result: dict) -> None:
+    man = Manifest.read(bundle)
+    man.calibration.update(result)
+    tmp = Path(bundle) / (MANIFEST + ".tmp")
+    tmp.write_text(man.to_json())
+    os.replace(tmp, Path(bundle) / MANIFEST)

@@ -1,0 +1,61 @@
+"""One measured batched run through the runtime (used by `dspark bench` and bench/scheduler.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dspark.errors import DSparkError
+from dspark.runtime.scheduler import VerifyPolicy
+
+
+@dataclass
+class BatchRun:
+    policy: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float  # aggregate
+    per_request_tokens_per_s: float  # median over requests, admission to finish
+    tau: float
+    mean_verify_budget: float  # drafts verified per request per round
+    rounds: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_policy(text: str) -> tuple[VerifyPolicy | None, bool]:
+    """'ar', 'all', 'fixed:3', 'static:0.4', 'schedule', 'topk' -> (policy, ar)."""
+    name, _, arg = text.partition(":")
+    if name == "ar":
+        return None, True
+    try:
+        if name == "fixed":
+            return VerifyPolicy("fixed", gamma=int(arg)), False
+        if name == "static":
+            return VerifyPolicy("static", threshold=float(arg)), False
+    except ValueError:
+        raise DSparkError(f"bad policy {text!r}: fixed:N takes an integer, static:T a number") from None
+    return VerifyPolicy(name), False
+
+
+def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tokens: int = 64,
+              temperature: float = 0.0, seed: int = 0) -> BatchRun:
+    policy, ar = parse_policy(policy_text)
+    dec = rt.decoder(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                     batch_size=concurrency, ar=ar, policy=policy)
+    t0 = time.perf_counter()
+    for _ in dec:
+        pass
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in dec.results)
+    proposed = [p for r in dec.results for p in r.proposed]
+    committed = [c for r in dec.results for c in r.committed]
+    return BatchRun(policy=policy_text, concurrency=concurrency, requests=len(prompts), tokens=tokens,
+                    seconds=seconds, tokens_per_s=tokens / seconds,
+                    per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in dec.results])),
+                    tau=float(np.mean(committed)) if committed else 1.0,
+                    mean_verify_budget=float(np.mean(proposed)) if proposed else 0.0, rounds=dec.times.rounds)

@@ -1,0 +1,76 @@
+"""How many draft tokens each request verifies per round (torch-free).
+
+The decision itself runs inside heads.onnx (dspark::ConfidenceTruncate); this module picks the op's mode and
+inputs per round. Policies:
+  all         verify every draft (threshold 0)
+  fixed       verify at most `gamma` drafts (a constant cap, applied on the host)
+  static      verify the prefix whose calibrated survival reaches `threshold`
+  schedule    Algorithm 1 over the batch with the bundle's SPS table (early stop: lossless)
+  topk        admit the K best drafts by current survival, K from confidences two rounds old
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.errors import DSparkError
+from dspark.plugins.truncate_ref import PADDED, SCHEDULE, STATIC, TOPK, budget_from
+
+KINDS = ("all", "fixed", "static", "schedule", "topk")
+
+
+@dataclass
+class VerifyPolicy:
+    kind: str = "all"
+    threshold: float = 0.0
+    gamma: int | None = None
+    sps: np.ndarray | None = None  # steps/s at 1..N batch tokens; default: the bundle's calibration
+    layout: int = PADDED  # our verifier runs padded [B, T] batches
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise DSparkError(f"unknown verification policy {self.kind!r} (choose from {', '.join(KINDS)})")
+        if self.kind == "fixed" and (self.gamma is None or self.gamma < 0):
+            raise DSparkError("the fixed policy needs gamma >= 0")
+
+
+class RoundPlanner:
+    """Builds the ConfidenceTruncate inputs each round and applies the host-side cap of the fixed policy."""
+
+    def __init__(self, policy: VerifyPolicy, batch: int, sps_table: list[float] | None):
+        self.policy = policy
+        self.batch = batch
+        sps = policy.sps if policy.sps is not None else sps_table
+        if policy.kind in ("schedule", "topk"):
+            if sps is None or len(sps) == 0:
+                raise DSparkError(f"the {policy.kind} policy needs an SPS table: run `dspark calibrate --sps BUNDLE`")
+            self.sps = np.asarray(sps, dtype=np.float32)
+        else:
+            self.sps = np.ones(1, dtype=np.float32)
+        self.mode = np.array([{"schedule": SCHEDULE, "topk": TOPK}.get(policy.kind, STATIC)], dtype=np.int64)
+        self.layout = np.array([policy.layout], dtype=np.int64)
+        self.threshold = np.full(batch, policy.threshold if policy.kind == "static" else 0.0, dtype=np.float32)
+        self.history: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=2)  # (survival, active) per round
+        self.budgets: list[int] = []
+
+    def feeds(self, active: np.ndarray) -> dict[str, np.ndarray]:
+        budget = 0
+        if self.policy.kind == "topk":
+            if len(self.history) == 2:  # confidences two rounds old: known before this round started
+                survival, was_active = self.history[0]
+                budget = budget_from(survival, self.sps, was_active, self.policy.layout)
+            else:
+                budget = int(active.sum()) * 64  # no history yet: admit everything
+            self.budgets.append(budget)
+        return {"threshold": self.threshold, "sps": self.sps, "budget": np.array([budget], dtype=np.int64),
+                "active": active, "mode": self.mode, "layout": self.layout}
+
+    def after(self, survival: np.ndarray, active: np.ndarray, verify_len: np.ndarray) -> np.ndarray:
+        """Record this round's survival (for top-K two rounds on) and apply the fixed cap."""
+        if self.policy.kind == "topk":
+            self.history.append((survival.copy(), active.copy()))
+        if self.policy.kind == "fixed":
+            verify_len = np.minimum(verify_len, self.policy.gamma)
+        return verify_len
