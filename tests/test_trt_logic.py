@@ -1,0 +1,84 @@
+"""TensorRT-path logic that needs neither TensorRT nor a GPU: profiles, version gates, buffer plan, ping-pong."""
+import importlib.util
+
+import pytest
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.trt.buffers import pingpong_schedule, plan_buffers, simulate
+from dspark.trt.profiles import graph_profiles
+from dspark.trt.versions import TrtApi
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_bundle_v6):
+    return Manifest.read(tiny_bundle_v6[3])
+
+
+def test_profiles_cover_every_input_with_static_caches(manifest):
+    profs = graph_profiles(manifest, max_batch=4, max_context=64)
+    assert [p.name for p in profs["verifier"]] == ["prefill", "verify"]
+    bk = manifest.block_size
+    for graph, plist in profs.items():
+        names = {t.name for t in manifest.graphs[graph].inputs}
+        for p in plist:
+            assert set(p.shapes) == names
+            for lo, opt, hi in p.shapes.values():
+                assert all(a <= b <= c for a, b, c in zip(lo, opt, hi))
+    verify = profs["verifier"][1].shapes
+    assert verify["tokens"][2] == (4, bk + 1)
+    lo, opt, hi = verify["past.0.key"]
+    assert lo[2] == opt[2] == hi[2] == 64  # capacity fixed: a step is CUDA-graph capturable
+    assert (lo[0], hi[0]) == (1, 4)
+    assert profs["verifier"][0].shapes["tokens"][2] == (4, 64)
+    with pytest.raises(DSparkError, match="exceeds"):
+        graph_profiles(manifest, 4, manifest.max_context + 1)
+
+
+def test_version_gates():
+    t10 = TrtApi.parse("10.8.0.43")
+    assert t10.plan("fp16") == {"network_flags": [], "builder_flags": ["FP16"], "cast_graph": False}
+    assert t10.plan("fp32")["builder_flags"] == []
+    t11 = TrtApi.parse("11.0.1")
+    assert t11.plan("bf16") == {"network_flags": ["STRONGLY_TYPED"], "builder_flags": [], "cast_graph": True}
+    assert t11.plan("fp32")["cast_graph"] is False
+    for bad in ("8.6.1", "9.0", "12.0", "x.y"):
+        with pytest.raises(DSparkError):
+            TrtApi.parse(bad)
+    with pytest.raises(DSparkError, match="precision"):
+        t10.plan("int4")
+
+
+def test_buffer_plan(manifest):
+    plan = plan_buffers(manifest, graph_profiles(manifest, max_batch=4, max_context=64))
+    names = {(b.graph, b.name) for b in plan.buffers}
+    assert ("verifier", "past.0.key") in names and ("heads", "draft_probs") in names
+    probs = next(b for b in plan.buffers if b.name == "draft_probs" and b.graph == "heads")
+    assert probs.shape == (4, manifest.block_size, manifest.target["vocab_size"]) and not probs.host_visible
+    assert plan.pinned_bytes == 2 * sum(b.nbytes for b in plan.buffers if b.host_visible)
+    assert plan.pinned_bytes < plan.device_bytes
+
+
+def test_pingpong_hides_copies_behind_the_other_micro_batch():
+    ops = pingpong_schedule(6)
+    for i, op in enumerate(ops):
+        assert all(d < i for d in op.waits_for)
+        if op.kind == "engines":  # a step's engines wait for its own inputs
+            assert any(ops[d].kind == "h2d" and ops[d].micro_batch == op.micro_batch and ops[d].step == op.step
+                       for d in op.waits_for)
+        if op.kind == "h2d" and op.step >= 2:  # a pinned slot is reused only after its last results were read
+            assert any(ops[d].kind == "host" and ops[d].slot == op.slot and ops[d].step == op.step - 2
+                       for d in op.waits_for)
+    timing = simulate(ops, {"h2d": 0.1, "engines": 1.0, "d2h": 0.1, "host": 0.05})
+    assert timing["hidden_fraction"] > 0.8
+    serial = 6 * 2 * (0.1 + 1.0 + 0.1 + 0.05)
+    assert timing["makespan"] < 0.85 * serial
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="TensorRT is not installed")
+def test_real_build_and_plugin_layer(tiny_bundle_v6, tmp_path):
+    from dspark.trt.build import build_engines
+
+    out = build_engines(tiny_bundle_v6[3], precision="fp32", max_batch=2, max_context=64, work_dir=tmp_path)
+    assert all((tiny_bundle_v6[3] / "engines" / f"{g}.plan").exists() for g in ("verifier", "draft", "heads"))
+    assert out["plugin_layers"]["heads"] >= 1
