@@ -39,12 +39,13 @@ for trial in range(400):
     active = rng.random(b) < 0.8
     for mode in (0, 1, 2):
         for layout in (0, 1):
-            d = [cp.asarray(x) for x in (surv, thr, sps, budget, active.astype(np.uint8))]
+            d = [cp.asarray(x) for x in (surv, thr, sps, budget, active.astype(np.uint8),
+                                         np.array([mode], np.int64), np.array([layout], np.int64))]
             vlen = cp.zeros(b, cp.int64)
             vmask = cp.zeros((b, bk), cp.uint8)
             rc = lib.dspark_confidence_truncate(ptr(d[0]), ptr(d[1]), ptr(d[2]), ctypes.c_int(n), ptr(d[3]), ptr(d[4]),
-                                                ctypes.c_int(mode), ctypes.c_int(layout), ctypes.c_int(b),
-                                                ctypes.c_int(bk), ptr(vlen), ptr(vmask), ctypes.c_void_p(0))
+                                                ptr(d[5]), ptr(d[6]), ctypes.c_int(b), ctypes.c_int(bk), ptr(vlen),
+                                                ptr(vmask), ctypes.c_void_p(0))
             cp.cuda.runtime.deviceSynchronize()
             want_len, want_mask = ref.confidence_truncate(surv, thr, sps, budget, active, mode, layout)
             cases += 1
@@ -59,8 +60,9 @@ for b in (8, 64, 256):
                                     np.array([b * 3], np.int64), np.ones(b, np.uint8))]
     vlen, vmask = cp.zeros(b, cp.int64), cp.zeros((b, bk), cp.uint8)
     for mode in (0, 1, 2):
+        mode_d, layout_d = cp.asarray(np.array([mode], np.int64)), cp.asarray(np.array([1], np.int64))
         call = lambda: lib.dspark_confidence_truncate(ptr(surv), ptr(args[0]), ptr(args[1]), ctypes.c_int(b * 8),  # noqa: E731
-                                                      ptr(args[2]), ptr(args[3]), ctypes.c_int(mode), ctypes.c_int(1),
+                                                      ptr(args[2]), ptr(args[3]), ptr(mode_d), ptr(layout_d),
                                                       ctypes.c_int(b), ctypes.c_int(bk), ptr(vlen), ptr(vmask),
                                                       ctypes.c_void_p(0))
         for _ in range(10):

@@ -112,6 +112,24 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, force, no_ch
         click.echo(f"wrote {output}")
 
 
+@export_cli.command("build")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--precision", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16", "fp32"]))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-context", default=2048, show_default=True, type=click.IntRange(2, 1 << 20))
+@click.option("--version-compatible", is_flag=True, help="Engines that newer TensorRT runtimes can load.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), help="Reuse and update this timing cache.")
+@click.option("--plugin", type=click.Path(path_type=Path), help="Built libdspark_trt_plugin.so (see README).")
+def build_cmd(bundle, precision, max_batch, max_context, version_compatible, timing_cache, plugin):
+    """Build TensorRT engines for BUNDLE (needs TensorRT 10/11 and a GPU; nothing is faked without them)."""
+    from dspark.trt.build import build_engines
+
+    rep = build_engines(bundle, precision, max_batch, max_context, version_compatible, timing_cache, plugin)
+    for name, e in rep["engines"].items():
+        click.echo(f"{name}: {e['file']} ({e['build_s']}s, {rep['plugin_layers'][name]} plugin layer(s))")
+    click.echo(f"TensorRT {rep['tensorrt']}, {precision}, device {rep['device']}")
+
+
 @export_cli.command("check")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--trt-lint", is_flag=True, help="Also lint every graph against TensorRT 10's ONNX operator support.")
@@ -202,6 +220,20 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
     click.echo(f"{res.policy} R={res.concurrency}: {res.tokens_per_s:.1f} tok/s aggregate, "
                f"{res.per_request_tokens_per_s:.1f} tok/s per request, tau {res.tau:.2f}, "
                f"verify budget {res.mean_verify_budget:.2f} drafts/request/round ({res.requests} requests)")
+
+
+@main_cli.command("doctor")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--build", is_flag=True, help="(Re)build the TensorRT engines first.")
+@click.option("--plugin", type=click.Path(path_type=Path), help="Built libdspark_trt_plugin.so.")
+def doctor_cmd(bundle, build, plugin):
+    """Check BUNDLE on this machine: ONNX Runtime parity, TensorRT lint, and, where TensorRT and a GPU exist,
+    engines with the plugin layer, parity vs ONNX Runtime, greedy equality and speed. Says what it skipped."""
+    from dspark.trt.doctor import run_doctor
+
+    rep = run_doctor(bundle, build=build, plugin=plugin)
+    click.echo(rep.format())
+    sys.exit(1 if rep.failed else 0)
 
 
 @main_cli.command("train")

@@ -2,8 +2,9 @@
 //
 // Same contract as dspark/plugins/truncate_ref.py:
 //   survival [B, Bk] f32, threshold [B] f32, sps [N] f32, budget [1] i64, active [B] bool (u8),
-//   mode (0 static, 1 Algorithm 1 with early stop, 2 top-K), layout (0 flat, 1 padded)
+//   mode [1] i64 (0 static, 1 Algorithm 1 with early stop, 2 top-K), layout [1] i64 (0 flat, 1 padded)
 //   -> verify_len [B] i64, verify_mask [B, Bk] bool (u8)
+// mode and layout stay on the device (read by the kernel), so a launch never syncs and is CUDA-graph capturable.
 // One thread block does the whole batch: B * Bk candidates are ranked in shared memory (ties: smaller flat
 // index j * B + r first, as the reference), then one thread walks the ranked list with the reference's float32
 // arithmetic (tau_i = R + cumsum(a)_i), so all three implementations make identical decisions.
@@ -17,10 +18,13 @@ namespace {
 __global__ void confidence_truncate_kernel(const float* __restrict__ survival, const float* __restrict__ threshold,
                                            const float* __restrict__ sps, int n_sps,
                                            const int64_t* __restrict__ budget, const uint8_t* __restrict__ active,
-                                           int mode, int layout, int batch, int block,
+                                           const int64_t* __restrict__ mode_ptr, const int64_t* __restrict__ layout_ptr,
+                                           int batch, int block,
                                            int64_t* __restrict__ verify_len, uint8_t* __restrict__ verify_mask) {
   extern __shared__ unsigned char smem[];
   const int m = batch * block;
+  const int mode = static_cast<int>(mode_ptr[0]);
+  const int layout = static_cast<int>(layout_ptr[0]);
   float* value = reinterpret_cast<float*>(smem);          // [m] candidate survival (0 = not a candidate)
   int* order = reinterpret_cast<int*>(value + m);         // [m] flat index by rank
   int* lengths = order + m;                               // [batch]
@@ -99,10 +103,10 @@ extern "C" size_t dspark_confidence_truncate_smem(int batch, int block) {
 }
 
 extern "C" int dspark_confidence_truncate(const float* survival, const float* threshold, const float* sps,
-                                          int n_sps, const int64_t* budget, const uint8_t* active, int mode,
-                                          int layout, int batch, int block, int64_t* verify_len,
-                                          uint8_t* verify_mask, cudaStream_t stream) {
-  if (batch <= 0 || block <= 0 || n_sps <= 0 || mode < 0 || mode > 2 || layout < 0 || layout > 1) return 1;
+                                          int n_sps, const int64_t* budget, const uint8_t* active,
+                                          const int64_t* mode, const int64_t* layout, int batch, int block,
+                                          int64_t* verify_len, uint8_t* verify_mask, cudaStream_t stream) {
+  if (batch <= 0 || block <= 0 || n_sps <= 0) return 1;
   const size_t smem = dspark_confidence_truncate_smem(batch, block);
   if (smem > 48 * 1024) return 2;  // one block holds the batch: up to ~6000 candidates
   const int threads = batch * block < 256 ? 128 : 256;

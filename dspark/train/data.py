@@ -85,3 +85,54 @@ def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
     overlap = sum(r["prompt"] in dev for r in rows)
     if overlap:
         raise DSparkError(f"{overlap} training prompts are dev prompts; never train on the benchmark set")
+
+
+def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: tuple[int, ...],
+                             max_new_tokens: int = 256, batch_size: int = 64, limit: int | None = None,
+                             device: str = "cuda", progress=None) -> list[dict]:
+    """The same cache as generate_responses, produced with HF generate on a GPU (batched, greedy), then one
+    forward pass per finished batch for the taps (HF hidden_states[l + 1]). For machines with CUDA."""
+    import numpy as np
+    import torch
+
+    from dspark.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(loaded.folder)
+    stop = set(tok.stop_ids)
+    done = {r["index"] for r in read_responses(out_path)}
+    order = [i for i in interleave_domains(rows) if i not in done]
+    if limit is not None:
+        order = order[:max(0, limit - len(done))]
+    model = loaded.hf_model.to(device)
+    taps_dir = out_path.parent / "taps"
+    taps_dir.mkdir(parents=True, exist_ok=True)
+    pad = next(iter(stop), 0)
+    t0, tokens_out = time.perf_counter(), 0
+    with open(out_path, "a") as f, torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            prompts = [tok.encode_chat(rows[i]["prompt"]) for i in chunk]
+            width = max(map(len, prompts))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(prompts):  # left padding for generation
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=sorted(stop) or None)
+            for j, i in enumerate(chunk):
+                gen = out[j, width:].tolist()
+                cut = next((k for k, t in enumerate(gen) if t in stop), None)
+                response = gen[:cut + 1] if cut is not None else gen
+                seq = torch.tensor([prompts[j] + response[:-1]], device=device)
+                hs = model(seq, output_hidden_states=True).hidden_states
+                taps = torch.cat([hs[layer + 1][0] for layer in tap_ids], dim=-1)
+                np.save(taps_dir / f"{i}.npy", taps.to(torch.float16).cpu().numpy())
+                f.write(json.dumps({"index": i, "domain": rows[i].get("domain"), "prompt_ids": prompts[j],
+                                    "response_ids": response, "stopped": cut is not None,
+                                    "tap_ids": list(tap_ids)}) + "\n")
+                tokens_out += len(response)
+                if progress is not None:
+                    progress(1, tokens_out / max(time.perf_counter() - t0, 1e-9))
+            f.flush()
+    return read_responses(out_path)

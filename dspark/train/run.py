@@ -69,7 +69,6 @@ class TrainRun:
                                  markov_rank=self.markov_rank, markov_head_type=self.markov_type,
                                  confidence_head=self.confidence, intermediate_size=self.intermediate_size)
         target = loaded.wrapper(drafter.cfg.target_layer_ids)
-        bundle = self._generation_bundle(Pair(loaded, target, drafter, "random"))
         self._say(f"generating responses into {data} (resumes where it stopped)")
         done = [0]
 
@@ -78,8 +77,15 @@ class TrainRun:
             if done[0] % 25 == 0:
                 self._say(f"{done[0]} responses, {tps:.0f} tokens/s")
 
-        generate_responses(bundle, rows, data / "responses.jsonl", self.max_new_tokens, self.gen_batch,
-                           self.max_prompts, progress=progress)
+        if torch.cuda.is_available() and self.bundle is None:  # GPU: HF generate is the fastest generator there
+            from dspark.train.data import generate_responses_torch
+
+            generate_responses_torch(loaded, rows, data / "responses.jsonl", drafter.cfg.target_layer_ids,
+                                     self.max_new_tokens, max(self.gen_batch, 64), self.max_prompts, progress=progress)
+        else:  # CPU: the ONNX Runtime bundle, autoregressive with continuous batching
+            bundle = self._generation_bundle(Pair(loaded, target, drafter, "random"))
+            generate_responses(bundle, rows, data / "responses.jsonl", self.max_new_tokens, self.gen_batch,
+                               self.max_prompts, progress=progress)
         if generate_only:
             return data
         samples = load_samples(data, drafter.cfg.target_layer_ids)

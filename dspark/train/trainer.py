@@ -86,6 +86,7 @@ class Trainer:
     def __init__(self, target: TargetModel, drafter: DSparkDrafter, samples: list[Sample], out_dir: Path,
                  cfg: TrainConfig):
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out_dir), cfg
+        self.device = next(drafter.parameters()).device
         self.tail_from = max(drafter.cfg.target_layer_ids) + 1
         d = drafter.cfg.hidden_size
         last = drafter.cfg.target_layer_ids.index(max(drafter.cfg.target_layer_ids))
@@ -106,19 +107,19 @@ class Trainer:
 
     def sequence_loss(self, s: Sample) -> tuple[torch.Tensor, dict]:
         cfg, bk = self.cfg, self.drafter.cfg.block_size
-        taps = torch.from_numpy(np.load(s.taps_path).astype(np.float32))  # [T-1, m*d]
-        tokens = torch.from_numpy(s.tokens)
+        taps = torch.from_numpy(np.load(s.taps_path).astype(np.float32)).to(self.device)  # [T-1, m*d]
+        tokens = torch.from_numpy(s.tokens).to(self.device)
         t = len(tokens)
         # Anchors are response tokens followed by another response token (reference §6.2).
         cand = np.arange(s.prompt_len, t - 1)
         k = min(cfg.anchors, len(cand))
-        anchors = torch.from_numpy(np.sort(self.rng.choice(cand, size=k, replace=False)))
+        anchors = torch.from_numpy(np.sort(self.rng.choice(cand, size=k, replace=False))).to(self.device)
         with torch.no_grad():
             first = s.prompt_len - 1
             hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
             target_probs = torch.softmax(self.target.logits(hidden_t).float(), dim=-1)  # rows = positions first..T-2
         hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
-        slot = torch.arange(bk)
+        slot = torch.arange(bk, device=self.device)
         pos = anchors[:, None] + slot[None]  # position whose next token slot j predicts
         valid = (pos + 1 < t)
         pos_c = torch.clamp(pos, max=t - 2)
@@ -135,7 +136,7 @@ class Trainer:
         l1 = (l1_each * weights).sum() / wsum
         alpha = (1 - 0.5 * l1_each.detach()).clamp(0, 1)
         loss = cfg.alpha_ce * ce + cfg.alpha_l1 * l1
-        bce = torch.zeros(())
+        bce = torch.zeros((), device=self.device)
         if self.drafter.confidence_head is not None and cfg.alpha_conf > 0:
             bce = F.binary_cross_entropy_with_logits(conf.float(), alpha, reduction="none")
             bce = (bce * weights).sum() / wsum
@@ -190,7 +191,7 @@ class Trainer:
         path = self.out / STATE
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=True)  # tensors, lists and strings only: no arbitrary pickles
+        state = torch.load(path, weights_only=True, map_location=self.device)  # tensors, lists, strings only
         saved = json.loads(state["config"])
         if saved != asdict(self.cfg):
             diff = {k: (saved.get(k), v) for k, v in asdict(self.cfg).items() if saved.get(k) != v}
