@@ -130,6 +130,25 @@ def build_cmd(bundle, precision, max_batch, max_context, version_compatible, tim
     click.echo(f"TensorRT {rep['tensorrt']}, {precision}, device {rep['device']}")
 
 
+@export_cli.command("quantize")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--graph", "graphs", multiple=True, default=("heads",), show_default=True,
+              type=click.Choice(["heads", "draft"]), help="Draft-side graph(s) to quantize (repeatable).")
+@click.option("--bits", default=8, show_default=True, type=int, help="Weight bits (8).")
+@click.option("--block-size", default=32, show_default=True, type=click.IntRange(16, 256),
+              help="Quantization block along the reduction axis.")
+@click.option("--min-elements", default=1 << 20, show_default=True, type=click.IntRange(0),
+              help="Only MatMuls whose weight has at least this many elements.")
+def quantize_cmd(bundle, graphs, bits, block_size, min_elements):
+    """8-bit weight-only MatMulNBits for BUNDLE's draft-side graphs (ONNX Runtime CPU). Decoding stays lossless:
+    verification uses the distribution the quantized heads actually sampled from; the verifier is untouched."""
+    from dspark.export.quantize import quantize_graph
+
+    for g in dict.fromkeys(graphs):
+        rec = quantize_graph(bundle, g, bits=bits, block_size=block_size, min_elements=min_elements)
+        click.echo(f"{g}.onnx: {len(rec['matmuls'])} MatMul(s) -> {rec['op']} {rec['bits']}-bit, block {rec['block_size']}")
+
+
 @export_cli.command("check")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--trt-lint", is_flag=True, help="Also lint every graph against TensorRT 10's ONNX operator support.")
@@ -374,18 +393,21 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
 @click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Dev prompts to decode (one per domain first).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
-def demo_cmd(bundle, n_prompts, max_new_tokens):
+@click.option("--heads", default="q8", show_default=True, type=click.Choice(["q8", "fp32"]),
+              help="Draft heads with 8-bit weights (faster on CPU, still lossless) or as exported.")
+def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
     """Convert SmolLM2-135M-Instruct + the demo DSpark drafter, then decode dev prompts with DSpark and with
     autoregressive decoding on ONNX Runtime: text, tau, and the speedup measured in this run."""
     import time
 
+    from dspark.bundle import Manifest
     from dspark.resolve import DRAFTS, cache_dir
     from dspark.runtime import Runtime
 
     draft = "smollm2-135m-dspark"
     if not (DRAFTS[draft]() / "config.json").exists():
         raise DSparkError(f"the demo drafter {draft} is missing from this installation")
-    bundle = bundle or cache_dir() / "bundles" / draft
+    bundle = bundle or cache_dir() / "bundles" / f"{draft}-{heads}"
     if not (bundle / "manifest.json").exists():
         click.echo(f"converting smollm2-135m + {draft} -> {bundle} (once; a few minutes on 2 cores)", err=True)
         from dspark.export.onnx_export import Progress, export_bundle
@@ -395,6 +417,10 @@ def demo_cmd(bundle, n_prompts, max_new_tokens):
         with progress.step("loading target and draft"):
             pair = load_pair("smollm2-135m", draft)
         export_bundle(pair, bundle, force=True, progress=progress)
+    if heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
+        from dspark.export.quantize import quantize_graph
+
+        quantize_graph(bundle, "heads")
     rt = Runtime(bundle)
     rows = read_prompts(default_dev_prompts())
     by_domain: dict[str, list[dict]] = {}

@@ -144,3 +144,28 @@ def test_cli_entry_points_exit_cleanly():
     out = subprocess.run([sys.executable, "-m", "dspark.cli", "run", "/nonexistent", "--prompt", "x"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
+
+
+def test_bench_scripts_compile_and_show_help():
+    """The benchmark scripts are not imported by any test run; at least they parse on this Python and start."""
+    import glob
+    import os
+    import py_compile
+
+    root = os.path.join(os.path.dirname(__file__), "..", "bench")
+    scripts = sorted(glob.glob(os.path.join(root, "*.py")))
+    assert len(scripts) >= 4
+    for path in scripts:
+        py_compile.compile(path, doraise=True)
+        if os.path.basename(path) != "common.py":
+            out = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, cwd=root)
+            assert out.returncode == 0 and "usage" in out.stdout, (path, out.stderr[-500:])
+
+
+def test_quantize_cli_refuses_the_verifier_and_reports_what_it_did(bundle):
+    code, out = run(export_cli, "quantize", bundle, "--graph", "verifier")
+    one_line_error(code, out, "verifier")
+    code, out = run(export_cli, "quantize", bundle, "--min-elements", 0)
+    assert code == 0 and "MatMulNBits 8-bit" in out, out
+    code, out = run(export_cli, "quantize", bundle, "--min-elements", 0)
+    one_line_error(code, out, "already quantized")

@@ -9,7 +9,7 @@ greedy decoding (DSpark and AR) against the stored reference tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +160,11 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
             feeds = dict(np.load(inputs))
             got = {k: v.numpy() for k, v in graph.run(feeds).items()}
             want = dict(np.load(ref))
-            rows += _compare(name, f"call {i}", got, want)
+            compared = _compare(name, f"call {i}", got, want)
+            if name in man.quantized:  # 8-bit draft weights: errors are reported, losslessness is checked e2e
+                compared = [replace(r, tolerance=f"report only ({man.quantized[name]['bits']}-bit weights)",
+                                    passed=True) for r in compared]
+            rows += compared
     expected = json.loads((check_dir / "expected.json").read_text())
     e2e = {}
     for mode, key in (("dspark", "reference_dspark"), ("ar", "reference_ar")):

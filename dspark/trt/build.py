@@ -74,6 +74,9 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     trt = import_tensorrt()
     bundle = Path(bundle)
     man = Manifest.read(bundle)
+    if man.quantized:
+        raise DSparkError(f"{', '.join(man.quantized)} of {bundle} hold 8-bit MatMulNBits weights (ONNX Runtime CPU "
+                          f"only); TensorRT needs the graphs as exported: build from a bundle that was not quantized")
     api = TrtApi.parse(trt.__version__)
     plan = api.plan(precision)
     profiles = graph_profiles(man, max_batch, max_context)

@@ -1,0 +1,71 @@
+"""8-bit draft-side quantization of a bundle: recorded, refused where it would change the output, and lossless."""
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.export.check import check_bundle
+from dspark.export.quantize import quantize_graph
+from dspark.runtime import Runtime
+from stats import chi_square_pvalue, exact_joint
+from test_bundle_tiny import PROMPT, SAMPLES, V, _bundle_samples, prompts
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_bundle_v6, tmp_path_factory):
+    hf, target, drafter, path = tiny_bundle_v6
+    q = tmp_path_factory.mktemp("quant") / "bundle"
+    shutil.copytree(path, q, copy_function=shutil.copy2)
+    rec = quantize_graph(q, "heads", min_elements=0)
+    return hf, path, q, rec
+
+
+def test_heads_become_matmulnbits_and_the_manifest_says_so(quantized):
+    _, original, q, rec = quantized
+    ops = {n.op_type for n in onnx.load(str(q / "heads.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and rec["matmuls"]
+    man = Manifest.read(q)
+    assert man.quantized["heads"]["bits"] == 8
+    assert man.graphs["heads"].sha256 != Manifest.read(original).graphs["heads"].sha256
+    assert not Manifest.read(original).quantized  # the source bundle is untouched
+
+
+def test_quantized_heads_keep_greedy_output_and_check_passes(quantized):
+    _, original, q, _ = quantized
+    ps = prompts(8, seed=5)
+    want = [r.token_ids for r in Runtime(original).generate(ps, max_new_tokens=20, ar=True)]
+    got = Runtime(q).generate(ps, max_new_tokens=20)
+    assert [r.token_ids for r in got] == want
+    rep = check_bundle(q)
+    assert rep.passed
+    assert all(r.tolerance.startswith("report only") for r in rep.rows if r.graph == "heads")
+    assert any(r.tolerance != "exact" and not r.tolerance.startswith("report") for r in rep.rows
+               if r.graph == "verifier")
+
+
+def test_quantized_heads_sampling_is_lossless(quantized):
+    hf, _, q, _ = quantized
+    expected = exact_joint(hf, PROMPT, 3, V)
+    stop = set(Runtime(q).manifest.stop_token_ids)
+    keep = {k: p for k, p in expected.items() if not stop.intersection(k[:2])}
+    samples, results = _bundle_samples(q, 77)
+    assert len(samples) > 0.5 * SAMPLES
+    assert chi_square_pvalue(samples, keep) > 1e-3
+    assert np.mean([a for r in results for a in r.accepted]) > 0.1
+
+
+def test_quantize_refuses_the_verifier_twice_and_other_bits(quantized, tmp_path):
+    _, original, q, _ = quantized
+    with pytest.raises(DSparkError, match="verifier"):
+        quantize_graph(q, "verifier")
+    with pytest.raises(DSparkError, match="already quantized"):
+        quantize_graph(q, "heads", min_elements=0)
+    with pytest.raises(DSparkError, match="8-bit"):
+        quantize_graph(original, "heads", bits=4)
+    with pytest.raises(DSparkError, match="no MatMul"):
+        quantize_graph(original, "heads", min_elements=1 << 40)
+    with pytest.raises(DSparkError, match="not found"):
+        quantize_graph(tmp_path / "nothing", "heads")
