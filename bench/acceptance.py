@@ -83,8 +83,8 @@ def main():
             "t1": evaluate(path, rows, args.max_new_tokens, 1.0, args.batch, args.seed),
         }
         g, t = report["results"][name]["greedy"], report["results"][name]["t1"]
-        print(f"{name}: greedy tau {g['tau']:.2f} ({', '.join(f'{d} {v['tau']:.2f}' for d, v in g['domains'].items())})"
-              f" | T=1 tau {t['tau']:.2f}")
+        per_domain = ", ".join(f"{d} {v['tau']:.2f}" for d, v in g["domains"].items())
+        print(f"{name}: greedy tau {g['tau']:.2f} ({per_domain}) | T=1 tau {t['tau']:.2f}")
     names = list(report["results"])
     if len(names) == 2:
         a, b = names

@@ -1,7 +1,8 @@
 """CPU decoding benchmark, everything in one run on the same prompts (issue: ONNX Runtime DSpark runtime):
-HF transformers greedy generate, ONNX Runtime AR fp32, ONNX Runtime DSpark fp32.
+HF transformers greedy generate, ONNX Runtime AR fp32, ONNX Runtime DSpark fp32, and optionally DSpark on other
+bundles of the same pair (e.g. `--extra heads-q8=BUNDLE_Q8` after `dspark-export quantize`).
 
-  python bench/cpu_decode.py --bundle BUNDLE [--prompts dev.jsonl] [--per-domain 2] [--max-new-tokens 128]
+  python bench/cpu_decode.py --bundle BUNDLE [--extra NAME=BUNDLE] [--per-domain 2] [--max-new-tokens 128]
 
 Writes JSON (default bench/results/cpu_decode.json): tokens/s per method (median over prompts and overall),
 tau, position-wise acceptance, time split per round (draft / heads / verify / host), and the verifier's cost of an
@@ -29,6 +30,22 @@ def run_ort(rt, prompts, max_new, ar):
         results.append(res)
         times.append(dec.times)
     return per_prompt, results, times
+
+
+def dspark_method(rt, prompts, max_new, ar_res) -> dict:
+    rates, res, times = run_ort(rt, prompts, max_new, ar=False)
+    tot = {k: sum(getattr(t, k) for t in times) for k in ("draft", "heads", "verify", "total", "prefill")}
+    rounds = sum(t.rounds for t in times)
+    host = tot["total"] - tot["prefill"] - tot["draft"] - tot["heads"] - tot["verify"]
+    return {"tokens_per_s_median": float(np.median(rates)), "per_prompt": rates,
+            "tokens": int(sum(len(r.token_ids) for r in res)),
+            "tau": float(np.mean([c for r in res for c in r.committed])),
+            "greedy_equals_ar": all(a.token_ids == d.token_ids for a, d in zip(ar_res, res)),
+            **position_acceptance(res, rt.manifest.block_size),
+            "per_round_ms": {k: 1000 * v / rounds for k, v in (("draft", tot["draft"]), ("heads", tot["heads"]),
+                                                                  ("verify", tot["verify"]), ("host", host))},
+            "draft_plus_heads_over_verify": (tot["draft"] + tot["heads"]) / tot["verify"],
+            "quantized": rt.manifest.quantized}
 
 
 def verify_cost_ratio(rt, reps: int = 15) -> dict:
@@ -87,6 +104,8 @@ def main():
     ap.add_argument("--per-domain", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--extra", action="append", default=[], help="NAME=BUNDLE: DSpark on another bundle of the pair")
+    ap.add_argument("--allow-other-draft", action="store_true")
     ap.add_argument("--out", default="bench/results/cpu_decode.json")
     args = ap.parse_args()
 
@@ -99,23 +118,19 @@ def main():
               "prompts": [{"domain": r.get("domain"), "source": r.get("source")} for r in rows],
               "max_new_tokens": args.max_new_tokens, "methods": {}}
     ar_rates, ar_res, ar_times = run_ort(rt, ids, args.max_new_tokens, ar=True)
-    ds_rates, ds_res, ds_times = run_ort(rt, ids, args.max_new_tokens, ar=False)
-    equal = [a.token_ids == d.token_ids for a, d in zip(ar_res, ds_res)]
-    tot = {k: sum(getattr(t, k) for t in ds_times) for k in ("draft", "heads", "verify", "total", "prefill")}
-    rounds = sum(t.rounds for t in ds_times)
-    host = tot["total"] - tot["prefill"] - tot["draft"] - tot["heads"] - tot["verify"]
     report["methods"]["ort_ar_fp32"] = {
         "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
         "tokens": int(sum(len(r.token_ids) for r in ar_res))}
-    report["methods"]["ort_dspark_fp32"] = {
-        "tokens_per_s_median": float(np.median(ds_rates)), "per_prompt": ds_rates,
-        "tokens": int(sum(len(r.token_ids) for r in ds_res)),
-        "tau": float(np.mean([c for r in ds_res for c in r.committed])),
-        "greedy_equals_ar": all(equal),
-        **position_acceptance(ds_res, rt.manifest.block_size),
-        "per_round_ms": {k: 1000 * v / rounds for k, v in (("draft", tot["draft"]), ("heads", tot["heads"]),
-                                                              ("verify", tot["verify"]), ("host", host))},
-        "draft_plus_heads_over_verify": (tot["draft"] + tot["heads"]) / tot["verify"]}
+    report["methods"]["ort_dspark_fp32"] = dspark_method(rt, ids, args.max_new_tokens, ar_res)
+    for spec in args.extra:
+        name, _, path = spec.partition("=")
+        other = Runtime(path)
+        if other.manifest.sources.get("draft") != rt.manifest.sources.get("draft") and not args.allow_other_draft:
+            raise SystemExit(f"--extra {spec}: a different draft than {args.bundle} (pass --allow-other-draft)")
+        report["methods"][f"ort_dspark_{name}"] = dspark_method(other, ids, args.max_new_tokens, ar_res)
+        report.setdefault("ratios", {})[f"dspark_{name}_over_ort_ar"] = (
+            report["methods"][f"ort_dspark_{name}"]["tokens_per_s_median"]
+            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     report["verify_cost"] = verify_cost_ratio(rt)
     if not args.skip_hf:
         hf_rates, hf_out = run_hf(args.target, ids, args.max_new_tokens)
@@ -123,18 +138,21 @@ def main():
                                                 "per_prompt": hf_rates,
                                                 "equals_ort_ar": [h == a.token_ids[:len(h)] or h[:len(a.token_ids)] == a.token_ids
                                                                   for h, a in zip(hf_out, ar_res)]}
-        report["ratios"] = {"ort_ar_over_hf": report["methods"]["ort_ar_fp32"]["tokens_per_s_median"]
-                            / report["methods"]["hf_eager_greedy"]["tokens_per_s_median"]}
+        report.setdefault("ratios", {})["ort_ar_over_hf"] = (report["methods"]["ort_ar_fp32"]["tokens_per_s_median"]
+                                                            / report["methods"]["hf_eager_greedy"]["tokens_per_s_median"])
     report.setdefault("ratios", {})["dspark_over_ort_ar"] = (report["methods"]["ort_dspark_fp32"]["tokens_per_s_median"]
                                                             / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     path = write_json(args.out, report)
     m = report["methods"]
-    print(f"{'method':<18}{'tok/s (median)':>16}{'tau':>8}")
+    print(f"{'method':<26}{'tok/s (median)':>16}{'tau':>8}")
     for name, v in m.items():
-        print(f"{name:<18}{v['tokens_per_s_median']:>16.1f}{v.get('tau', float('nan')):>8.2f}")
+        print(f"{name:<26}{v['tokens_per_s_median']:>16.1f}{v.get('tau', float('nan')):>8.2f}")
     print(f"verify {rt.manifest.block_size + 1} vs 1 positions: x{report['verify_cost']['ratio']:.2f}; "
-          f"draft+heads / verify = {m['ort_dspark_fp32']['draft_plus_heads_over_verify']:.2f}; "
           f"host per round {m['ort_dspark_fp32']['per_round_ms']['host']:.2f} ms")
+    for name, v in m.items():
+        if "per_round_ms" in v:
+            print(f"{name}: draft+heads / verify = {v['draft_plus_heads_over_verify']:.2f}, per round (ms) "
+                  + ", ".join(f"{k} {x:.1f}" for k, x in v["per_round_ms"].items()))
     print(f"ratios: {report['ratios']}  -> {path}")
 
 

@@ -1,6 +1,7 @@
 """Scheduler benchmark (one run): for R concurrent requests in {1, 2, 4, 8}, autoregressive decoding, fixed
 verification lengths gamma in {1, 3, 7}, a static survival threshold, Algorithm 1 and its top-K variant.
-Reports aggregate and per-request tokens/s and the mean verification budget per request.
+Reports aggregate and per-request tokens/s, the mean verification budget per request, and padding vs flattening:
+verifier positions computed (padded [R, T]) vs useful, and the verifier time flattening would take by the SPS table.
 
   python bench/scheduler.py --bundle BUNDLE [--limit 16] [--max-new-tokens 64]
   (the bundle needs an SPS table: dspark calibrate --sps BUNDLE)
@@ -64,7 +65,9 @@ def main():
             res = run_batch(rt, [row["prompt"] for row in rows], r, policy, args.max_new_tokens).as_dict()
             report["runs"].append(res)
             print(f"R={r:<3} {policy:<11} {res['tokens_per_s']:7.1f} tok/s  per-request "
-                  f"{res['per_request_tokens_per_s']:6.1f}  tau {res['tau']:.2f}  budget {res['mean_verify_budget']:.2f}",
+                  f"{res['per_request_tokens_per_s']:6.1f}  tau {res['tau']:.2f}  budget {res['mean_verify_budget']:.2f}  "
+                  f"padding waste {1 - res['useful_positions'] / max(1, res['padded_positions']):.0%}"
+                  + (f" (flat/padded verifier time ~{res['flat_time_ratio']:.2f})" if res["flat_time_ratio"] else ""),
                   flush=True)
     out = write_json(args.out, report)
     plot(report, str(out.with_suffix(".png")))

@@ -148,3 +148,27 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90(tmp_path):
     lib = build_kernel(tmp_path, archs=("80", "90"), nvcc=nvcc)
     symbols = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True).stdout
     assert "dspark_confidence_truncate" in symbols and "dspark_confidence_truncate_smem" in symbols
+
+
+def test_flat_time_ratio_follows_the_cost_curve():
+    from dspark.runtime.bench import flat_time_ratio
+
+    flat_cost = [10.0] * 16  # steps/s independent of the token count: flattening saves nothing
+    assert flat_time_ratio([8, 16], [3, 5], flat_cost) == pytest.approx(1.0)
+    linear = [100.0 / n for n in range(1, 17)]  # time proportional to tokens: saves the padding share
+    assert flat_time_ratio([8, 16], [3, 5], linear) == pytest.approx(8 / 24)
+    assert flat_time_ratio([8], [3], None) is None
+
+
+def test_batch_run_counts_padded_and_useful_positions(tiny_bundle_v6):
+    from dspark.runtime import Runtime
+    from dspark.runtime.bench import run_batch
+
+    rt = Runtime(tiny_bundle_v6[3])
+    prompts = [[1, 2, 3], [4, 0], [2, 2, 1, 5, 3], [0]]
+    ar = run_batch(rt, prompts, 2, "ar", max_new_tokens=6)
+    assert ar.useful_positions <= ar.padded_positions == 2 * ar.rounds
+    fixed = run_batch(rt, prompts, 3, "fixed:2", max_new_tokens=6)
+    assert fixed.useful_positions <= fixed.padded_positions <= 3 * 3 * fixed.rounds
+    assert fixed.mean_verify_budget <= 2
+    assert fixed.tokens == ar.tokens  # greedy: the same tokens whatever the policy

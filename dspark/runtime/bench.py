@@ -22,6 +22,9 @@ class BatchRun:
     tau: float
     mean_verify_budget: float  # drafts verified per request per round
     rounds: int
+    padded_positions: int  # verifier positions computed (batch x T per round, the padded layout we run)
+    useful_positions: int  # positions of live requests' anchor + verified drafts
+    flat_time_ratio: float | None  # SPS-table estimate: verifier time if flattened / time padded
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,4 +61,21 @@ def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tok
                     seconds=seconds, tokens_per_s=tokens / seconds,
                     per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in dec.results])),
                     tau=float(np.mean(committed)) if committed else 1.0,
-                    mean_verify_budget=float(np.mean(proposed)) if proposed else 0.0, rounds=dec.times.rounds)
+                    mean_verify_budget=float(np.mean(proposed)) if proposed else 0.0, rounds=dec.times.rounds,
+                    padded_positions=int(sum(dec.times.round_tokens)),
+                    useful_positions=int(sum(dec.times.round_useful)),
+                    flat_time_ratio=flat_time_ratio(dec.times.round_tokens, dec.times.round_useful,
+                                                    rt.manifest.calibration.get("sps_table")))
+
+
+def flat_time_ratio(padded: list[int], useful: list[int], sps: list[float] | None) -> float | None:
+    """Padding vs flattening, measured through the verifier's own cost curve: the summed step time (1 / steps/s
+    at n tokens) of the useful positions over that of the padded positions we actually ran."""
+    if not sps or not padded:
+        return None
+    sps = np.asarray(sps, dtype=np.float64)
+
+    def cost(n: int) -> float:
+        return 1.0 / sps[min(max(n, 1), len(sps)) - 1] * max(1.0, n / len(sps))
+
+    return float(sum(cost(n) for n in useful) / sum(cost(n) for n in padded))

@@ -55,6 +55,7 @@ class StepTimes:
     total: float = 0.0
     rounds: int = 0
     round_tokens: list[int] = field(default_factory=list)  # verifier positions (batch x T) per round
+    round_useful: list[int] = field(default_factory=list)  # of those, positions of live requests' anchor + drafts
 
     @property
     def host(self) -> float:
@@ -277,6 +278,7 @@ class Decoder:
             self.times.verify += time.perf_counter() - t0
             self.times.rounds += 1
             self.times.round_tokens.append(b * t)
+            self.times.round_useful.append(int(live.sum() + verify_len[live].sum()))
             self.ctx_count[:] = 0
             for slot in np.flatnonzero(live):
                 res, a = self.results[self.slot_req[slot]], int(accepted[slot])
