@@ -50,29 +50,14 @@ def dspark_method(rt, prompts, max_new, ar_res) -> dict:
 
 def verify_cost_ratio(rt, reps: int = 15) -> dict:
     """Median time of a verifier step over 8 positions vs 1 position, same cache length (~200 positions)."""
+    from dspark.calibration.sps import verifier_step_seconds
     from dspark.runtime.kv import KVCache
 
-    man = rt.manifest
-    t = man.target
+    t = rt.manifest.target
     cache = KVCache(t["num_layers"], 1, t["num_kv_heads"], 256, t["head_dim"])
     cache.commit(0, 200)
-    block = man.block_size
-    vocab = t["vocab_size"]
-    out = {}
-    for n in (1, block + 1):
-        feeds = {"tokens": np.ones((1, n), np.int64), "past_mask": cache.past_mask(),
-                 "logit_index": np.arange(n, dtype=np.int64)[None], "verify_len": np.array([n - 1], np.int64),
-                 "temperature": np.zeros(1, np.float32), "accept_noise": np.ones((1, n), np.float32),
-                 "sample_noise": np.ones(1, np.float32), "draft_probs": np.zeros((1, block, vocab), np.float32),
-                 **cache.feeds}
-        for _ in range(3):
-            rt.backend.verifier.run(feeds)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            rt.backend.verifier.run(feeds)
-            ts.append(time.perf_counter() - t0)
-        out[n] = float(np.median(ts))
+    block = rt.manifest.block_size
+    out = {n: verifier_step_seconds(rt, cache, n, reps, warmup=3) for n in (1, block + 1)}
     return {"step_1_ms": 1000 * out[1], f"step_{block + 1}_ms": 1000 * out[block + 1],
             "ratio": out[block + 1] / out[1]}
 

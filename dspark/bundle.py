@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class Manifest:
     calibration: dict[str, Any] = field(default_factory=dict)  # sts_temperatures, sps_table
     precision: str = "fp32"
     quantized: dict[str, Any] = field(default_factory=dict)  # graph -> record of dspark.export.quantize
+    tensorrt: dict[str, Any] = field(default_factory=dict)  # engines, plugin, profiles of dspark-export build
     tools: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -60,6 +62,12 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
+
+    def write(self, folder: Path) -> None:
+        """Write folder/manifest.json atomically (a temporary file renamed into place, never written through)."""
+        tmp = Path(folder) / (MANIFEST + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, Path(folder) / MANIFEST)
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":

@@ -82,3 +82,22 @@ def test_real_build_and_plugin_layer(tiny_bundle_v6, tmp_path):
     out = build_engines(tiny_bundle_v6[3], precision="fp32", max_batch=2, max_context=64, work_dir=tmp_path)
     assert all((tiny_bundle_v6[3] / "engines" / f"{g}.plan").exists() for g in ("verifier", "draft", "heads"))
     assert out["plugin_layers"]["heads"] >= 1
+
+
+def test_manifest_keeps_the_tensorrt_section_it_is_given(tiny_bundle_v6, tmp_path):
+    """`dspark-export build` records its engines in the manifest; the bundle must stay readable afterwards."""
+    import shutil
+
+    from dspark.bundle import Manifest
+    from dspark.runtime import Runtime
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_v6[3], bundle)
+    man = Manifest.read(bundle)
+    section = {"tensorrt": "10.16.0", "engines": {"verifier": {"file": "engines/verifier.plan"}},
+               "plugin": {"library": "engines/libdspark_trt_plugin.so", "name": "ConfidenceTruncate"}}
+    man.tensorrt = section
+    man.write(bundle)
+    assert not (bundle / "manifest.json.tmp").exists()
+    assert Manifest.read(bundle).tensorrt == section
+    assert Runtime(bundle).manifest.tensorrt == section

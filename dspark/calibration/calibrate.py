@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.bundle import MANIFEST, Manifest
+from dspark.bundle import Manifest
 from dspark.calibration.sts import Rounds, fit_sts, reliability
 from dspark.errors import DSparkError
 
@@ -34,9 +34,7 @@ def write_manifest_calibration(bundle: Path, temps: np.ndarray, meta: dict) -> N
     man = Manifest.read(bundle)
     man.calibration["sts_temperatures"] = [float(t) for t in temps]
     man.calibration["sts"] = meta
-    tmp = bundle / (MANIFEST + ".tmp")
-    tmp.write_text(man.to_json())
-    os.replace(tmp, bundle / MANIFEST)
+    man.write(bundle)
 
 
 def write_draft_temperatures(draft_dir: Path, temps: np.ndarray) -> None:

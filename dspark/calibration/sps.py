@@ -5,42 +5,47 @@ for R = 1..max_batch and T = 1..Bk+1; counts in between (used by the flat layout
 Stored in the manifest as calibration.sps_table (entry n-1 = steps/s at n tokens) with the raw measurements."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from dspark.bundle import MANIFEST, Manifest
+from dspark.bundle import Manifest
+
+
+def verifier_step_seconds(rt, cache, positions: int, reps: int, warmup: int = 1) -> float:
+    """Median seconds of one verifier step over `positions` new tokens for every request of `cache` (a
+    dspark.runtime.kv.KVCache whose committed lengths set the context), after `warmup` untimed steps."""
+    man = rt.manifest
+    r = len(cache.lengths)
+    feeds = {"tokens": np.ones((r, positions), np.int64), "past_mask": cache.past_mask(),
+             "logit_index": np.broadcast_to(np.arange(positions, dtype=np.int64), (r, positions)).copy(),
+             "verify_len": np.full(r, positions - 1, np.int64), "temperature": np.zeros(r, np.float32),
+             "accept_noise": np.ones((r, positions), np.float32), "sample_noise": np.ones(r, np.float32),
+             "draft_probs": np.zeros((r, man.block_size, man.target["vocab_size"]), np.float32), **cache.feeds}
+    for _ in range(warmup):
+        rt.backend.verifier.run(feeds)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        rt.backend.verifier.run(feeds)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
     from dspark.runtime.kv import KVCache
 
-    man = rt.manifest
-    t = man.target
-    bk = man.block_size
-    vocab = t["vocab_size"]
+    t = rt.manifest.target
+    bk = rt.manifest.block_size
     measured: dict[int, float] = {}
     raw = []
     for r in range(1, max_batch + 1):
         cache = KVCache(t["num_layers"], r, t["num_kv_heads"], context + bk + 1, t["head_dim"])
         for slot in range(r):
             cache.commit(slot, context)
-        probs = np.zeros((r, bk, vocab), np.float32)
         for steps in range(1, bk + 2):
-            feeds = {"tokens": np.ones((r, steps), np.int64), "past_mask": cache.past_mask(),
-                     "logit_index": np.broadcast_to(np.arange(steps, dtype=np.int64), (r, steps)).copy(),
-                     "verify_len": np.full(r, steps - 1, np.int64), "temperature": np.zeros(r, np.float32),
-                     "accept_noise": np.ones((r, steps), np.float32), "sample_noise": np.ones(r, np.float32),
-                     "draft_probs": probs, **cache.feeds}
-            rt.backend.verifier.run(feeds)
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                rt.backend.verifier.run(feeds)
-                times.append(time.perf_counter() - t0)
-            sps = 1.0 / float(np.median(times))
+            sps = 1.0 / verifier_step_seconds(rt, cache, steps, reps)
             n = r * steps
             measured[n] = max(measured.get(n, 0.0), sps)  # the best shape reaching n tokens
             raw.append({"batch": r, "positions": steps, "tokens": n, "steps_per_s": sps})
@@ -53,6 +58,4 @@ def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
 def write_sps(bundle: Path, result: dict) -> None:
     man = Manifest.read(bundle)
     man.calibration.update(result)
-    tmp = Path(bundle) / (MANIFEST + ".tmp")
-    tmp.write_text(man.to_json())
-    os.replace(tmp, Path(bundle) / MANIFEST)
+    man.write(bundle)

@@ -9,7 +9,6 @@ defines the output, is never quantized here.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -76,10 +75,9 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
                   location=data, size_threshold=1024)
         record = {"bits": bits, "block_size": block_size, "accuracy_level": accuracy_level, "op": "MatMulNBits",
                   "matmuls": big, "fp32_sha256": spec.sha256}
-        raw = json.loads((bundle / MANIFEST).read_text())
-        raw["graphs"][graph]["sha256"] = sha256_file(tmp / spec.file)
-        raw.setdefault("quantized", {})[graph] = record
-        (tmp / MANIFEST).write_text(json.dumps(raw, indent=2) + "\n")
+        spec.sha256 = sha256_file(tmp / spec.file)
+        man.quantized[graph] = record
+        man.write(tmp)
         # Replace (never write through) so a bundle copied with hard links keeps its original files.
         for name in (data, spec.file, MANIFEST):
             if (tmp / name).exists():

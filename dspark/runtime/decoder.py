@@ -278,7 +278,7 @@ class Decoder:
             self.times.verify += time.perf_counter() - t0
             self.times.rounds += 1
             self.times.round_tokens.append(b * t)
-            self.times.round_useful.append(int(live.sum() + verify_len[live].sum()))
+            self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0
             self.ctx_count[:] = 0
             for slot in np.flatnonzero(live):
                 res, a = self.results[self.slot_req[slot]], int(accepted[slot])

@@ -8,13 +8,12 @@ serialize. Engines, the plugin library, the timing cache and a `tensorrt` manife
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-from dspark.bundle import MANIFEST, Manifest, sha256_file
+from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.trt.profiles import graph_profiles
 from dspark.trt.versions import TrtApi
@@ -138,11 +137,8 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     report["plugin"] = {"library": f"engines/{PLUGIN_LIB}", "name": "ConfidenceTruncate", "version": "1",
                         "namespace": "dspark"}
     report["device"] = _device_info()
-    raw = json.loads((bundle / MANIFEST).read_text())
-    raw["tensorrt"] = report
-    tmp = bundle / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(raw, indent=2) + "\n")
-    os.replace(tmp, bundle / MANIFEST)
+    man.tensorrt = report
+    man.write(bundle)
     shutil.rmtree(work, ignore_errors=True)
     return report
 

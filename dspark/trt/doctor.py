@@ -90,13 +90,12 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) ->
     rep.add("GPU", "ok" if has_gpu else "skipped", gpu)
     has_trt, trt_info = _tensorrt()
     rep.add("TensorRT", "ok" if has_trt else "skipped", trt_info)
-    from dspark.plugins.build import build_kernel  # noqa: F401  (the kernel sources ship with dspark)
 
     plugin_path = plugin or (bundle / "engines" / "libdspark_trt_plugin.so")
     rep.add("plugin library", "ok" if Path(plugin_path).exists() else "skipped",
             str(plugin_path) if Path(plugin_path).exists() else
             "not built: cmake -S dspark/plugins/trt -B build/plugin -DTENSORRT_ROOT=... && cmake --build build/plugin")
-    engines = getattr(man, "tensorrt", None) or _tensorrt_section(bundle)
+    engines = man.tensorrt
     if engines:
         stale = [g for g, e in engines.get("engines", {}).items() if e.get("onnx_sha256") != man.graphs[g].sha256]
         rep.add("engines", "fail" if stale else "ok",
@@ -122,10 +121,3 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) ->
     for name, status, detail in compare_with_onnxruntime(bundle):
         rep.add(name, status, detail)
     return rep
-
-
-def _tensorrt_section(bundle: Path) -> dict | None:
-    import json
-
-    raw = json.loads((Path(bundle) / "manifest.json").read_text())
-    return raw.get("tensorrt")

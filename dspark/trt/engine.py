@@ -106,11 +106,9 @@ class TrtBackend:
     kind = "tensorrt"
 
     def __init__(self, folder: Path, manifest: Manifest):
-        import json
-
         import tensorrt as trt
 
-        section = json.loads((Path(folder) / "manifest.json").read_text()).get("tensorrt")
+        section = manifest.tensorrt
         if not section:
             raise DSparkError(f"{folder} has no engines: run dspark-export build {folder}")
         trt.get_plugin_registry().load_library(str(Path(folder) / section["plugin"]["library"]))
