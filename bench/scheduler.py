@@ -1,5 +1,6 @@
 """Scheduler benchmark (one run): for R concurrent requests in {1, 2, 4, 8}, autoregressive decoding, fixed
-verification lengths gamma in {1, 3, 7}, a static survival threshold, Algorithm 1 and its top-K variant.
+verification lengths gamma in {1, 3, 7}, a static survival threshold, Algorithm 1 and its top-K variant, the
+last two also with the draft gate (+gate: skip drafting in rounds where a plain verifier step is expected to win).
 Reports aggregate and per-request tokens/s, the mean verification budget per request, and padding vs flattening:
 verifier positions computed (padded [R, T]) vs useful, and the verifier time flattening would take by the SPS table.
 
@@ -14,7 +15,7 @@ import argparse
 
 from common import dev_rows, machine, write_json
 
-POLICIES = ["ar", "fixed:1", "fixed:3", "fixed:7", "static:0.3", "schedule", "topk"]
+POLICIES = ["ar", "fixed:1", "fixed:3", "fixed:7", "static:0.3", "schedule", "topk", "schedule+gate", "topk+gate"]
 
 
 def plot(report: dict, path: str) -> None:
@@ -27,7 +28,7 @@ def plot(report: dict, path: str) -> None:
     for policy in report["policies"]:
         rows = [r for r in report["runs"] if r["policy"] == policy]
         xs = [r["concurrency"] for r in rows]
-        style = "-o" if policy in ("schedule", "topk") else "--."
+        style = "-s" if policy.endswith("+gate") else "-o" if policy in ("schedule", "topk") else "--."
         axes[0].plot(xs, [r["tokens_per_s"] for r in rows], style, label=policy)
         axes[1].plot(xs, [r["per_request_tokens_per_s"] for r in rows], style, label=policy)
         if policy != "ar":
@@ -64,8 +65,9 @@ def main():
         for policy in policies:
             res = run_batch(rt, [row["prompt"] for row in rows], r, policy, args.max_new_tokens).as_dict()
             report["runs"].append(res)
-            print(f"R={r:<3} {policy:<11} {res['tokens_per_s']:7.1f} tok/s  per-request "
+            print(f"R={r:<3} {policy:<13} {res['tokens_per_s']:7.1f} tok/s  per-request "
                   f"{res['per_request_tokens_per_s']:6.1f}  tau {res['tau']:.2f}  budget {res['mean_verify_budget']:.2f}  "
+                  f"drafted {res['drafted_rounds']}/{res['rounds']}  "
                   f"padding waste {1 - res['useful_positions'] / max(1, res['padded_positions']):.0%}"
                   + (f" (flat/padded verifier time ~{res['flat_time_ratio']:.2f})" if res["flat_time_ratio"] else ""),
                   flush=True)

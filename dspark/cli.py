@@ -194,14 +194,19 @@ def main_cli():
 @click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="Verify only the prefix whose calibrated survival reaches this value (0 = all).")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the same verifier graph.")
+@click.option("--gate", is_flag=True, help="Skip drafting in rounds where a plain verifier step is expected to be "
+              "faster (needs the bundle's SPS table).")
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, threads, as_json):
+def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, gate, threads, as_json):
     """Decode PROMPT with a bundle on ONNX Runtime, streaming the text; ends with tau and tokens/s."""
     from dspark.runtime import Runtime
 
+    from dspark.runtime.scheduler import VerifyPolicy
+
     rt = Runtime(bundle, threads=threads)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, threshold=threshold, ar=ar)
+    policy = VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold, gate=gate)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ar=ar, policy=policy)
     if as_json:
         res = rt.generate([prompt], **kw)[0]
         click.echo(json.dumps({"text": rt.tokenizer.decode(res.token_ids), "token_ids": res.token_ids,
@@ -211,8 +216,9 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, th
     for piece in rt.stream(prompt, **kw):
         click.echo(piece, nl=False)
     res = rt.last.results[0]
+    drafted = f" ({rt.last.times.drafted} drafted)" if gate and not ar else ""
     click.echo(f"\n\n[{'AR' if ar else 'DSpark'}] {len(res.token_ids)} tokens, tau {res.tau:.2f} over "
-               f"{res.rounds} rounds, {res.tokens_per_s:.1f} tokens/s", err=True)
+               f"{res.rounds} rounds{drafted}, {res.tokens_per_s:.1f} tokens/s", err=True)
 
 
 @main_cli.command("bench")
@@ -220,7 +226,8 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, th
 @click.option("--concurrency", "-R", default=1, show_default=True, type=click.IntRange(1, 4096),
               help="Requests decoding at once (continuous batching).")
 @click.option("--policy", default="schedule", show_default=True,
-              help="ar | all | fixed:GAMMA | static:THRESHOLD | schedule | topk")
+              help="ar | all | fixed:GAMMA | static:THRESHOLD | schedule | topk, optionally +gate "
+                   "(e.g. schedule+gate: skip drafting in rounds where it cannot pay)")
 @click.option("--prompts", type=click.Path(path_type=Path), help="JSONL prompts (default: dev prompts).")
 @click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
@@ -238,7 +245,8 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
         return
     click.echo(f"{res.policy} R={res.concurrency}: {res.tokens_per_s:.1f} tok/s aggregate, "
                f"{res.per_request_tokens_per_s:.1f} tok/s per request, tau {res.tau:.2f}, "
-               f"verify budget {res.mean_verify_budget:.2f} drafts/request/round ({res.requests} requests)")
+               f"verify budget {res.mean_verify_budget:.2f} drafts/request/round, {res.drafted_rounds} of {res.rounds} "
+               f"rounds drafted ({res.requests} requests)")
 
 
 @main_cli.command("doctor")
@@ -280,9 +288,11 @@ def doctor_cmd(bundle, build, plugin):
 @click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--seed", default=42, show_default=True, type=int)
 @click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
+@click.option("--init-from", help="Start from this trained drafter (folder or short name) instead of random weights; "
+              "its architecture replaces --layers/--block-size/--markov-*/--intermediate-size/--confidence.")
 def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
               markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
-              seed, generate_only):
+              seed, generate_only, init_from):
     """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
     from dspark.train.run import TrainRun
 
@@ -290,7 +300,7 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers, block_size=block_size,
              markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
              confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
-             seqs_per_step=seqs_per_step, seed=seed).run(generate_only=generate_only)
+             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from).run(generate_only=generate_only)
 
 
 @main_cli.command("calibrate")

@@ -169,3 +169,14 @@ def test_quantize_cli_refuses_the_verifier_and_reports_what_it_did(bundle):
     assert code == 0 and "MatMulNBits 8-bit" in out, out
     code, out = run(export_cli, "quantize", bundle, "--min-elements", 0)
     one_line_error(code, out, "already quantized")
+
+
+def test_run_with_the_draft_gate(bundle):
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1 w2", "--gate"), "SPS table")
+    prompts = bundle / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    one_line_error(*run(main_cli, "bench", bundle, "--policy", "ar+gate", "--prompts", prompts), "no '+gate'")
+    code, out = run(main_cli, "calibrate", bundle, "--sps", "--max-batch", 1)
+    assert code == 0, out
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2 w3", "--max-new-tokens", 12, "--gate")
+    assert code == 0 and "drafted)" in out, out

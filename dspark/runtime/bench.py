@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dspark.errors import DSparkError
+from dspark.runtime.gate import step_seconds
 from dspark.runtime.scheduler import VerifyPolicy
 
 
@@ -22,6 +23,7 @@ class BatchRun:
     tau: float
     mean_verify_budget: float  # drafts verified per request per round
     rounds: int
+    drafted_rounds: int  # rounds that ran the draft (all of them unless the draft gate skipped some)
     padded_positions: int  # verifier positions computed (batch x T per round, the padded layout we run)
     useful_positions: int  # positions of live requests' anchor + verified drafts
     flat_time_ratio: float | None  # SPS-table estimate: verifier time if flattened / time padded
@@ -31,18 +33,24 @@ class BatchRun:
 
 
 def parse_policy(text: str) -> tuple[VerifyPolicy | None, bool]:
-    """'ar', 'all', 'fixed:3', 'static:0.4', 'schedule', 'topk' -> (policy, ar)."""
-    name, _, arg = text.partition(":")
+    """'ar', 'all', 'fixed:3', 'static:0.4', 'schedule', 'topk', each but 'ar' optionally with '+gate'
+    -> (policy, ar)."""
+    body, plus, extra = text.partition("+")
+    if plus and extra != "gate":
+        raise DSparkError(f"bad policy {text!r}: the only suffix is '+gate'")
+    name, _, arg = body.partition(":")
     if name == "ar":
+        if plus:
+            raise DSparkError("'ar' never drafts, so it takes no '+gate'")
         return None, True
     try:
         if name == "fixed":
-            return VerifyPolicy("fixed", gamma=int(arg)), False
+            return VerifyPolicy("fixed", gamma=int(arg), gate=bool(plus)), False
         if name == "static":
-            return VerifyPolicy("static", threshold=float(arg)), False
+            return VerifyPolicy("static", threshold=float(arg), gate=bool(plus)), False
     except ValueError:
         raise DSparkError(f"bad policy {text!r}: fixed:N takes an integer, static:T a number") from None
-    return VerifyPolicy(name), False
+    return VerifyPolicy(name, gate=bool(plus)), False
 
 
 def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tokens: int = 64,
@@ -62,6 +70,7 @@ def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tok
                     per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in dec.results])),
                     tau=float(np.mean(committed)) if committed else 1.0,
                     mean_verify_budget=float(np.mean(proposed)) if proposed else 0.0, rounds=dec.times.rounds,
+                    drafted_rounds=dec.times.drafted,
                     padded_positions=int(sum(dec.times.round_tokens)),
                     useful_positions=int(sum(dec.times.round_useful)),
                     flat_time_ratio=flat_time_ratio(dec.times.round_tokens, dec.times.round_useful,
@@ -74,8 +83,4 @@ def flat_time_ratio(padded: list[int], useful: list[int], sps: list[float] | Non
     if not sps or not padded:
         return None
     sps = np.asarray(sps, dtype=np.float64)
-
-    def cost(n: int) -> float:
-        return 1.0 / sps[min(max(n, 1), len(sps)) - 1] * max(1.0, n / len(sps))
-
-    return float(sum(cost(n) for n in useful) / sum(cost(n) for n in padded))
+    return float(sum(step_seconds(sps, n) for n in useful) / sum(step_seconds(sps, n) for n in padded))

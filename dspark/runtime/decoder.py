@@ -3,7 +3,9 @@
 The batch is a fixed set of slots. A request is prefilled into a free slot (a batch-1 verifier call on that
 slot's cache views) and decodes until it stops; its slot then takes the next queued request, while the other
 slots keep decoding. Each round mirrors dspark.models.reference step for step, and noise is per request
-(dspark.noise), so the tokens a request gets do not depend on the other requests in flight.
+(dspark.noise), so the tokens a request gets do not depend on the other requests in flight. (With the draft
+gate on, which rounds draft depends on the batch and on timing: greedy tokens stay the same, sampled ones are
+then reproducible in distribution only.)
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
+from dspark.runtime.gate import DraftGate
 from dspark.runtime.kv import KVCache
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
@@ -54,6 +57,7 @@ class StepTimes:
     prefill: float = 0.0
     total: float = 0.0
     rounds: int = 0
+    drafted: int = 0  # rounds that ran the draft graphs
     round_tokens: list[int] = field(default_factory=list)  # verifier positions (batch x T) per round
     round_useful: list[int] = field(default_factory=list)  # of those, positions of live requests' anchor + drafts
 
@@ -63,7 +67,7 @@ class StepTimes:
 
     def as_dict(self) -> dict:
         return {"draft_s": self.draft, "heads_s": self.heads, "verify_s": self.verify, "prefill_s": self.prefill,
-                "host_s": self.host, "total_s": self.total, "rounds": self.rounds}
+                "host_s": self.host, "total_s": self.total, "rounds": self.rounds, "drafted_rounds": self.drafted}
 
 
 @dataclass
@@ -111,6 +115,8 @@ class Decoder:
         self.temperature = np.full(b, temperature, dtype=np.float32)
         self.policy = policy or VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold)
         self.planner = RoundPlanner(self.policy, b, manifest.calibration.get("sps_table"))
+        self.gate = None if ar or not self.policy.gate else DraftGate(
+            self.policy.sps_table(manifest.calibration.get("sps_table")), self.bk, b, self.policy.layout)
         self.verify_budget: list[int] = []  # drafts verified per round, summed over requests
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)
@@ -126,6 +132,7 @@ class Decoder:
         self.ctx_count = np.zeros(b, dtype=np.int64)
         self._no_drafts = np.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
         self._zero = np.zeros(b, dtype=np.int64)
+        self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
 
     @property
     def batch(self) -> int:
@@ -179,13 +186,16 @@ class Decoder:
             events.append(Event(req, self._take(slot, [int(first[i])]), self.results[req].done))
         return events
 
-    def _set_ctx(self, slot: int, rows: np.ndarray, count: int) -> None:
-        if count > self.ctx.shape[1]:
-            grown = np.zeros((self.batch, count, self.ctx.shape[2]), dtype=np.float32)
+    def _set_ctx(self, slot: int, rows: np.ndarray, count: int, append: bool = False) -> None:
+        """Target features the draft has not consumed yet: a prefill's replace them, a verifier step's are
+        appended (several pile up while the draft gate skips rounds)."""
+        at = int(self.ctx_count[slot]) if append else 0
+        if at + count > self.ctx.shape[1]:
+            grown = np.zeros((self.batch, at + count, self.ctx.shape[2]), dtype=np.float32)
             grown[:, :self.ctx.shape[1]] = self.ctx
             self.ctx = grown
-        self.ctx[slot, :count] = rows[:count]
-        self.ctx_count[slot] = count
+        self.ctx[slot, at:at + count] = rows[:count]
+        self.ctx_count[slot] = at + count
 
     def _draft(self, live: np.ndarray):
         c = max(int(self.ctx_count.max()), 1)
@@ -200,6 +210,7 @@ class Decoder:
             self.dkv.check_room(slot, count)
             self.dkv.write(new_kv, slot, count)
             self.dkv.commit(slot, int(self.dkv.lengths[slot]) + count)
+        self.ctx_count[:] = 0  # consumed
         noises = [src if alive else None for src, alive in zip(self.noise, live)]
         heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
                                         "temperature": self.temperature, "draft_noise": stack(noises, self.bk),
@@ -207,8 +218,12 @@ class Decoder:
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
+        self.times.drafted += 1
         self._conf = heads["conf_logits"].numpy() if self.record_confidence else None
-        verify_len = self.planner.after(heads["survival"].numpy(), live, heads["verify_len"].numpy())
+        survival = heads["survival"].numpy()
+        if self.gate is not None:
+            self.gate.observe(survival, live, t2 - t0)
+        verify_len = self.planner.after(survival, live, heads["verify_len"].numpy())
         return heads["draft_tokens"].numpy(), heads["draft_probs"], verify_len
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
@@ -260,9 +275,12 @@ class Decoder:
         while any(r >= 0 for r in self.slot_req):
             live = np.array([r >= 0 for r in self.slot_req])
             noises = [src if alive else None for src, alive in zip(self.noise, live)]
-            if self.ar:
-                verify_len, drafts, t, draft_probs = self._zero, np.zeros((b, 1), dtype=np.int64), 1, self._no_drafts
+            plain = self.ar or (self.gate is not None and not self.gate.should_draft(live))
+            if plain:  # one verifier position per request: autoregressive decoding
+                verify_len, drafts, t, draft_probs = self._zero, self._no_draft_ids, 1, self._no_drafts
                 tokens = self.anchor[:, None]
+                if not self.ar:
+                    self.verify_budget.append(0)
             else:
                 drafts, draft_probs, verify_len = self._draft(live)
                 verify_len = np.where(live, verify_len, 0)
@@ -270,7 +288,7 @@ class Decoder:
                 t = 1 + int(verify_len.max())
                 tokens = np.concatenate([self.anchor[:, None], drafts[:, :t - 1]], axis=1)
             logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
-            accept = stack(noises, 1 if self.ar else self.bk + 1)[:, :t]
+            accept = stack(noises, 1 if plain else self.bk + 1)[:, :t]
             t0 = time.perf_counter()
             accepted, nxt, taps, new_kv = self._verify(self.kv.feeds, self.kv.past_mask(), tokens, logit_index,
                                                        verify_len, self.temperature, accept, stack(noises, 1)[:, 0],
@@ -279,7 +297,6 @@ class Decoder:
             self.times.rounds += 1
             self.times.round_tokens.append(b * t)
             self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0
-            self.ctx_count[:] = 0
             for slot in np.flatnonzero(live):
                 res, a = self.results[self.slot_req[slot]], int(accepted[slot])
                 self.kv.check_room(slot, t)
@@ -300,7 +317,7 @@ class Decoder:
                 if not res.done:
                     self.kv.commit(slot, int(self.kv.lengths[slot]) + a + 1)
                     if not self.ar:
-                        self._set_ctx(slot, taps[slot], a + 1)
+                        self._set_ctx(slot, taps[slot], a + 1, append=True)
                     self.anchor[slot] = nxt[slot]
             yield from self._fill_free_slots()
         self.times.total = time.perf_counter() - start

@@ -7,6 +7,7 @@ inputs per round. Policies:
   static      verify the prefix whose calibrated survival reaches `threshold`
   schedule    Algorithm 1 over the batch with the bundle's SPS table (early stop: lossless)
   topk        admit the K best drafts by current survival, K from confidences two rounds old
+Any policy can add the draft gate (dspark.runtime.gate): skip drafting in rounds where it cannot pay.
 """
 from __future__ import annotations
 
@@ -28,12 +29,20 @@ class VerifyPolicy:
     gamma: int | None = None
     sps: np.ndarray | None = None  # steps/s at 1..N batch tokens; default: the bundle's calibration
     layout: int = PADDED  # our verifier runs padded [B, T] batches
+    gate: bool = False  # skip drafting when a plain verifier step is expected to be faster
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise DSparkError(f"unknown verification policy {self.kind!r} (choose from {', '.join(KINDS)})")
         if self.kind == "fixed" and (self.gamma is None or self.gamma < 0):
             raise DSparkError("the fixed policy needs gamma >= 0")
+
+    def sps_table(self, bundle_table: list[float] | None) -> np.ndarray:
+        sps = self.sps if self.sps is not None else bundle_table
+        if sps is None or len(sps) == 0:
+            what = f"the {self.kind} policy" if self.kind in ("schedule", "topk") else "the draft gate"
+            raise DSparkError(f"{what} needs an SPS table: run `dspark calibrate --sps BUNDLE`")
+        return np.asarray(sps, dtype=np.float32)
 
 
 class RoundPlanner:
@@ -42,11 +51,8 @@ class RoundPlanner:
     def __init__(self, policy: VerifyPolicy, batch: int, sps_table: list[float] | None):
         self.policy = policy
         self.batch = batch
-        sps = policy.sps if policy.sps is not None else sps_table
         if policy.kind in ("schedule", "topk"):
-            if sps is None or len(sps) == 0:
-                raise DSparkError(f"the {policy.kind} policy needs an SPS table: run `dspark calibrate --sps BUNDLE`")
-            self.sps = np.asarray(sps, dtype=np.float32)
+            self.sps = policy.sps_table(sps_table)
         else:
             self.sps = np.ones(1, dtype=np.float32)
         self.mode = np.array([{"schedule": SCHEDULE, "topk": TOPK}.get(policy.kind, STATIC)], dtype=np.int64)

@@ -1,6 +1,7 @@
 """`dspark train`: generate the target's responses, then train and save a DeepSpec-format drafter."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -34,9 +35,23 @@ class TrainRun:
     anchors: int = 32
     seqs_per_step: int = 4
     seed: int = 42
+    init_from: str | None = None  # a DeepSpec checkpoint to start from (its architecture wins over the flags)
 
     def _say(self, msg: str) -> None:
         click.echo(f"[train {time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+    def _warm_start(self, loaded):
+        """Continue from a trained drafter's weights with a fresh optimizer and schedule. Its STS temperatures are
+        dropped: they belong to the old weights, so calibrate again after training."""
+        from dspark.models.checkpoint import load_draft
+
+        body = loaded.hf_model
+        drafter = load_draft(self.init_from, loaded.config, body.model.embed_tokens, body.lm_head)
+        drafter.cfg = dataclasses.replace(drafter.cfg, confidence_temperatures=())
+        drafter.sts_temperatures.fill_(1.0)
+        self._say(f"starting from {self.init_from} ({drafter.cfg.num_layers} layers, block {drafter.cfg.block_size}, "
+                  f"Markov rank {drafter.cfg.markov_rank})")
+        return drafter
 
     def _generation_bundle(self, pair) -> Path:
         if self.bundle is not None:
@@ -65,9 +80,12 @@ class TrainRun:
                 raise
         data = self.data or self.output / "data"
         loaded = load_target(self.target)
-        drafter = random_drafter(loaded, seed=self.seed, num_layers=self.layers, block_size=self.block_size,
-                                 markov_rank=self.markov_rank, markov_head_type=self.markov_type,
-                                 confidence_head=self.confidence, intermediate_size=self.intermediate_size)
+        if self.init_from is not None:
+            drafter = self._warm_start(loaded)
+        else:
+            drafter = random_drafter(loaded, seed=self.seed, num_layers=self.layers, block_size=self.block_size,
+                                     markov_rank=self.markov_rank, markov_head_type=self.markov_type,
+                                     confidence_head=self.confidence, intermediate_size=self.intermediate_size)
         target = loaded.wrapper(drafter.cfg.target_layer_ids)
         self._say(f"generating responses into {data} (resumes where it stopped)")
         done = [0]

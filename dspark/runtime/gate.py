@@ -1,0 +1,67 @@
+"""Whether a round should draft at all (torch-free).
+
+The prefix scheduler decides how many drafts to verify once they exist, when drafting has already been paid
+for. When the drafter is weak for the current load, no verification length recovers that cost and a plain
+verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The gate makes that choice before
+the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
+draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
+refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dspark.plugins.truncate_ref import PADDED
+
+
+def step_seconds(sps: np.ndarray, tokens: int) -> float:
+    """Verifier step time at `tokens` batch tokens from a steps/s table, linear beyond its end."""
+    n = max(int(tokens), 1)
+    return float(max(1.0, n / len(sps)) / sps[min(n, len(sps)) - 1])
+
+
+class DraftGate:
+    def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
+                 max_probe: int = 32, smoothing: float = 0.3):
+        self.sps = np.asarray(sps, dtype=np.float64)
+        self.batch, self.layout = batch, layout
+        self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
+        self.smoothing = smoothing
+        self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
+        self.draft_seconds: float | None = None  # draft + heads per round, smoothed
+        self.skipped = 0
+        self.decisions: list[bool] = []
+
+    def rates(self, live: int) -> tuple[float, float]:
+        """Expected committed tokens/s of (an autoregressive step, the best common verification length)."""
+        width = self.batch if self.layout == PADDED else live
+        ar = live / step_seconds(self.sps, width)
+        gain = np.concatenate([[0.0], np.cumsum(self.survival)])  # expected accepted drafts verifying k
+        spec = max(live * (1 + gain[k]) / (self.draft_seconds + step_seconds(self.sps, width * (1 + k)))
+                   for k in range(len(gain)))
+        return ar, spec
+
+    def should_draft(self, live: np.ndarray) -> bool:
+        n = int(np.count_nonzero(live))
+        if self.draft_seconds is None or n == 0:
+            draft = True  # nothing measured yet
+        else:
+            ar, spec = self.rates(n)
+            if spec >= ar:
+                draft, self.probe = True, self.base_probe
+            elif self.skipped + 1 >= self.probe:  # probe: refresh the estimates
+                draft, self.probe = True, min(2 * self.probe, self.max_probe)
+            else:
+                draft = False
+        self.skipped = 0 if draft else self.skipped + 1
+        self.decisions.append(draft)
+        return draft
+
+    def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
+        """After a drafted round: its survival [B, Bk] and what drafting + heads took."""
+        if np.any(live):
+            mean = survival[live].mean(axis=0)
+            first = self.draft_seconds is None
+            self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean
+        a = self.smoothing
+        self.draft_seconds = seconds if self.draft_seconds is None else (1 - a) * self.draft_seconds + a * seconds

@@ -1,0 +1,98 @@
+"""The draft gate: its cost model, its probing schedule, and exactness of decoding when it skips rounds."""
+import numpy as np
+import pytest
+
+from dspark.errors import DSparkError
+from dspark.plugins.truncate_ref import FLAT, PADDED
+from dspark.runtime.gate import DraftGate, step_seconds
+
+
+def test_step_seconds_reads_the_table_and_extrapolates_linearly():
+    sps = np.array([100.0, 50.0, 25.0])
+    assert step_seconds(sps, 1) == pytest.approx(0.01)
+    assert step_seconds(sps, 3) == pytest.approx(0.04)
+    assert step_seconds(sps, 6) == pytest.approx(0.08)
+    assert step_seconds(sps, 0) == pytest.approx(0.01)
+
+
+def test_rates_follow_the_cost_model():
+    gate = DraftGate(np.array([10.0, 10.0, 5.0, 5.0]), block_size=3, batch=2, layout=PADDED)
+    gate.observe(np.array([[0.5, 0.25, 0.1], [0.5, 0.25, 0.1]]), np.array([True, True]), 0.1)
+    ar, spec = gate.rates(2)
+    assert ar == pytest.approx(2 / 0.1)
+    # k = 1: 2 x 1.5 tokens over 0.1 draft + step(4) = 0.2 s; k = 0 gives 2 / 0.2; k >= 2 pay more positions
+    assert spec == pytest.approx(max(2 * 1.5 / 0.3, 2 * 1.0 / 0.2, 2 * 1.75 / (0.1 + 0.3), 2 * 1.85 / (0.1 + 0.4)))
+    flat = DraftGate(np.array([10.0, 10.0, 5.0, 5.0]), block_size=3, batch=2, layout=FLAT)
+    flat.observe(np.array([[0.5, 0.25, 0.1], [0.5, 0.25, 0.1]]), np.array([True, False]), 0.1)
+    assert flat.rates(1)[0] == pytest.approx(1 / 0.1)  # flattened: only the live request's position
+
+
+def test_gate_skips_costly_drafts_and_probes_with_backoff():
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
+    assert gate.should_draft(live)  # nothing measured yet
+    gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
+    pattern = []
+    for _ in range(20):
+        d = gate.should_draft(live)
+        pattern.append(d)
+        if d:
+            gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)
+    probes = [i for i, d in enumerate(pattern) if d]
+    assert probes == [1, 5, 13]  # after 2, then 4, then 8 rounds (capped at max_probe)
+
+
+def test_gate_keeps_drafting_when_it_pays():
+    live = np.array([True, True])
+    gate = DraftGate(np.array([100.0] * 16), block_size=4, batch=2)
+    for _ in range(10):
+        assert gate.should_draft(live)
+        gate.observe(np.full((2, 4), 0.9), live, seconds=0.001)
+    assert gate.rates(2)[1] > gate.rates(2)[0]
+
+
+def test_parse_policy_takes_the_gate_suffix():
+    from dspark.runtime.bench import parse_policy
+
+    policy, ar = parse_policy("schedule+gate")
+    assert policy.kind == "schedule" and policy.gate and not ar
+    assert parse_policy("fixed:3+gate")[0].gamma == 3
+    assert not parse_policy("topk")[0].gate
+    for bad in ("ar+gate", "fixed:1+fast"):
+        with pytest.raises(DSparkError):
+            parse_policy(bad)
+
+
+def test_gate_without_sps_table_is_a_clear_error(tiny_bundle_v6):
+    from dspark.runtime import Runtime
+    from dspark.runtime.scheduler import VerifyPolicy
+
+    rt = Runtime(tiny_bundle_v6[3])
+    if rt.manifest.calibration.get("sps_table"):
+        pytest.skip("the tiny bundle carries an SPS table")
+    with pytest.raises(DSparkError, match="SPS table"):
+        rt.decoder([[1, 2]], policy=VerifyPolicy("all", gate=True))
+
+
+def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_v6):
+    """A verifier that costs nothing makes every draft a loss: the gate skips all rounds but its probes. Greedy
+    tokens must equal AR's, and the draft cache, fed several positions at once after skipped rounds, must hold
+    the same entries as when the draft consumes each round's features."""
+    from dspark.runtime import Runtime
+    from dspark.runtime.scheduler import VerifyPolicy
+
+    rt = Runtime(tiny_bundle_v6[3])
+    prompt = [[1, 4, 2, 0, 3]]
+    free = np.full(64, 1e9, dtype=np.float32)
+    ar = rt.generate(prompt, max_new_tokens=40, ar=True)[0].token_ids
+    plain = rt.decoder(prompt, max_new_tokens=40)
+    gated = rt.decoder(prompt, max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
+    for dec in (plain, gated):
+        for _ in dec:
+            pass
+        assert dec.results[0].token_ids == ar
+    assert 2 <= gated.times.drafted < gated.times.rounds
+    assert any(p == 0 for p in gated.results[0].proposed)
+    n = int(min(plain.dkv.lengths[0], gated.dkv.lengths[0]))
+    assert n > len(prompt[0]) + 10
+    np.testing.assert_allclose(gated.dkv.buffer[:, :, 0, :, :n], plain.dkv.buffer[:, :, 0, :, :n], atol=1e-5)
