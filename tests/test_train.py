@@ -128,3 +128,26 @@ def test_calibrate_writes_manifest_plot_and_report(tiny_bundle_v6, tmp_path):
     assert len(rep["after"]) == man.block_size and rep["rounds"] > 50
     assert (tmp_path / "cal" / "reliability.png").stat().st_size > 1000
     assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["rounds"] == rep["rounds"]
+
+
+def test_init_from_continues_from_a_trained_drafter(tmp_path):
+    """--init-from: the drafter starts from the checkpoint's weights and architecture, without its STS temperatures."""
+    import dataclasses
+
+    from dspark.models.checkpoint import save_draft
+    from dspark.train.run import TrainRun
+    from tiny import TinyLoaded, tiny_tokenizer_folder
+
+    hf, target, drafter = tiny_pair("llama", vocab=16, block_size=3, markov_rank=4, draft_layers=2)
+    drafter.cfg = dataclasses.replace(drafter.cfg, confidence_temperatures=(1.5, 2.0, 3.0))
+    ckpt = save_draft(drafter, tmp_path / "ckpt")
+    loaded = TinyLoaded(hf, tiny_tokenizer_folder(tmp_path / "tok", 16))
+    run = TrainRun(target="tiny", prompts=tmp_path / "p.jsonl", output=tmp_path / "run", layers=1, block_size=7,
+                   markov_rank=0, init_from=str(ckpt))
+    warm = run._warm_start(loaded)
+    assert (warm.cfg.num_layers, warm.cfg.block_size, warm.cfg.markov_rank) == (2, 3, 4)
+    assert warm.cfg.confidence_temperatures == () and torch.all(warm.sts_temperatures == 1.0)
+    mine, theirs = warm.trainable_state_dict(), drafter.trainable_state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        torch.testing.assert_close(mine[k], theirs[k].to(torch.bfloat16).to(mine[k].dtype))  # stored as bf16
