@@ -90,10 +90,13 @@ def export_cli():
               help="Check the draft's block size (the graphs are traced for the checkpoint's own).")
 @click.option("--max-context", default=2048, show_default=True, type=click.IntRange(16, 1 << 20),
               help="Longest prompt + generation a runtime session may hold.")
+@click.option("--draft-vocab", type=click.IntRange(1),
+              help="Draft from only this many tokens, the most frequent in the draft's training responses "
+                   "(its draft_vocab.json): cheaper heads, still lossless.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--no-check", is_flag=True, help="Skip recording reference data for `dspark-export check`.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def export_onnx_cmd(target, draft, output, block_size, max_context, force, no_check, quiet):
+def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
     from dspark.export.onnx_export import Progress, export_bundle
 
@@ -107,7 +110,8 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, force, no_ch
     if block_size is not None and block_size != pair.drafter.cfg.block_size:
         raise DSparkError(f"--block-size {block_size} differs from the draft's block_size "
                           f"{pair.drafter.cfg.block_size} (a DSpark drafter is trained for one block size)")
-    export_bundle(pair, output, max_context=max_context, force=force, progress=progress, check_data=not no_check)
+    export_bundle(pair, output, max_context=max_context, force=force, progress=progress, check_data=not no_check,
+                  draft_vocab=draft_vocab)
     if not quiet:
         click.echo(f"wrote {output}")
 

@@ -217,7 +217,8 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
                "hidden_size": c.hidden_size, "block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids),
                "mask_token_id": c.mask_token_id, "markov_rank": c.markov_rank,
                "markov_head_type": c.markov_head_type if c.markov_rank else None,
-               "confidence_head": c.enable_confidence_head},
+               "confidence_head": c.enable_confidence_head,
+               "draft_vocab": None if pair.drafter.draft_ids is None else int(pair.drafter.draft_ids.numel())},
         max_context=max_context,
         stop_token_ids=list(stop_ids),
         graphs=specs,
@@ -229,11 +230,13 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
 
 
 def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool = False,
-                  quiet: bool = False, progress: Progress | None = None, check_data: bool = True) -> Path:
+                  quiet: bool = False, progress: Progress | None = None, check_data: bool = True,
+                  draft_vocab: int | None = None, ranking: list[int] | None = None) -> Path:
     """Write the bundle into a temporary folder beside `output`, then move it into place.
 
     With check_data, the bundle also gets check/ (real graph inputs with the PyTorch outputs on them and reference
-    greedy tokens) for `dspark-export check`."""
+    greedy tokens) for `dspark-export check`. With draft_vocab, the heads draft from that many tokens: the stop
+    tokens, then `ranking` (default: the draft checkpoint's draft_vocab.json), then by id."""
     output = Path(output)
     if output.exists() and not force:
         raise DSparkError(f"{output} exists; pass --force to replace it")
@@ -244,15 +247,17 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.tmp-"))
     tmp.chmod(0o755)
     try:
+        for f in pair.loaded.tokenizer_files():
+            if f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        stop_ids = ChatTokenizer(tmp).stop_ids
+        if draft_vocab is not None:
+            pair.drafter.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
         specs = {}
         for name, example in (("verifier", verifier_example), ("draft", draft_example), ("heads", heads_example)):
             with progress.step(f"exporting {name}.onnx"):
                 specs[name] = export_graph(example(pair), tmp / f"{name}.onnx")
-        with progress.step("writing tokenizer and manifest"):
-            for f in pair.loaded.tokenizer_files():
-                if f.name != "config.json":
-                    shutil.copy2(f, tmp / f.name)
-            stop_ids = ChatTokenizer(tmp).stop_ids
+        with progress.step("writing manifest"):
             for spec in specs.values():
                 spec.sha256 = sha256_file(tmp / spec.file)
             manifest = build_manifest(pair, specs, max_context, stop_ids)
@@ -268,6 +273,19 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output
+
+
+def _draft_ids(pair: Pair, size: int, ranking: list[int] | None, stop_ids: tuple[int, ...]):
+    from dspark.models.draft_vocab import read_ranking, shortlist
+
+    vocab = pair.drafter.cfg.vocab_size
+    if ranking is None:
+        if pair.draft_source.startswith("random"):
+            raise DSparkError("--draft-vocab needs a token ranking, and a random drafter has none")
+        from dspark.resolve import resolve_draft
+
+        ranking = read_ranking(resolve_draft(pair.draft_source), vocab)
+    return shortlist(ranking, size, vocab, stop_ids)
 
 
 def _replace_dir(new: Path, dest: Path) -> None:

@@ -64,20 +64,22 @@ class MarkovHead(nn.Module):
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * r + d, 3 * r)
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
-        """One position: prev tokens [...], h [..., d], RNN state [..., r] -> (bias [..., V], e = W1[prev], new state)."""
+    def step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None, w2: torch.Tensor | None = None):
+        """One position: prev tokens [...], h [..., d], RNN state [..., r] -> (bias [..., V], e = W1[prev], new state).
+        w2: rows of markov_w2 for a draft vocabulary (bias over those tokens only)."""
+        w2 = self.markov_w2.weight if w2 is None else w2
         e = self.markov_w1(prev)
         if self.kind == "vanilla":
-            return self.markov_w2(e), e, state
+            return nn.functional.linear(e, w2), e, state
         if self.kind == "gated":
             g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
-            return self.markov_w2(g * e), e, state
+            return nn.functional.linear(g * e, w2), e, state
         if state is None:
             state = torch.zeros_like(e)
         gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
         z = torch.sigmoid(gate)
         new_state = z * state + (1 - z) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), e, new_state
+        return nn.functional.linear(torch.tanh(out), w2), e, new_state
 
 
 class ConfidenceHead(nn.Module):
@@ -112,6 +114,18 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.register_buffer("sts_temperatures", torch.tensor(cfg.sts_temperatures, dtype=torch.float32),
                              persistent=False)
+        self.set_draft_vocab(None)  # a draft vocabulary (dspark.models.draft_vocab), if set
+
+    def set_draft_vocab(self, ids) -> None:
+        """Draft only from these token ids (None: the whole vocabulary). The heads then score just those rows of
+        the LM head and the Markov bias; the distributions they return stay full-vocabulary (zero elsewhere)."""
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head.weight.device)
+        rows = (lambda w: None if ids is None else w.detach()[ids].clone())
+        self.register_buffer("draft_ids", ids, persistent=False)
+        self.register_buffer("draft_lm_weight", rows(self.lm_head.weight), persistent=False)
+        self.register_buffer("draft_markov_w2", rows(self.markov_head.markov_w2.weight)
+                             if self.markov_head is not None else None, persistent=False)
 
     # -- backbone ---------------------------------------------------------------------------------------------
 
@@ -210,19 +224,24 @@ class DSparkDrafter(nn.Module):
 
         hidden [B, Bk, d], anchor [B], temperature [B], noise [B, Bk] uniforms in (0, 1].
         """
-        base = self.lm_head(hidden)
+        ids = self.draft_ids
+        base = self.lm_head(hidden) if ids is None else nn.functional.linear(hidden, self.draft_lm_weight)
         prev, state = anchor, None
         tokens, probs, confs = [], [], []
         for k in range(self.cfg.block_size):
             h = hidden[:, k]
             logits, e = base[:, k], None
             if self.markov_head is not None:
-                bias, e, state = self.markov_head.step(prev, h, state)
+                bias, e, state = self.markov_head.step(prev, h, state, self.draft_markov_w2)
                 logits = logits + bias
             if self.confidence_head is not None:
                 confs.append(self.confidence_head(self.confidence_features(h, e)))
             p = token_probs(logits, temperature)
             prev = sample(p, noise[:, k])
+            if ids is not None:  # back to vocabulary ids and full-vocabulary distributions
+                prev = ids[prev]
+                p = torch.zeros(p.shape[0], self.cfg.vocab_size, dtype=p.dtype, device=p.device).scatter(
+                    1, ids.expand(p.shape[0], -1), p)
             tokens.append(prev)
             probs.append(p)
         conf = torch.stack(confs, dim=1) if confs else torch.zeros_like(noise)

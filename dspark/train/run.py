@@ -67,6 +67,7 @@ class TrainRun:
     def run(self, generate_only: bool = False) -> Path:
         from dspark.cli import default_dev_prompts, read_prompts
         from dspark.models.checkpoint import save_draft
+        from dspark.models.draft_vocab import write_ranking
         from dspark.models.pair import Pair, random_drafter
         from dspark.models.target import load_target
         from dspark.train.data import check_prompts, generate_responses
@@ -127,6 +128,8 @@ class TrainRun:
         with open(self.output / "train_log.jsonl", "a") as log:
             history = trainer.run(log=log)
         ckpt = save_draft(drafter.cpu(), self.output / "checkpoint")
+        write_ranking(ckpt, [s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size,
+                      f"target responses to {len(train)} prompts of {self.prompts.name}")
         summary = {"checkpoint": str(ckpt), "sequences": len(train), "held_out": sorted(s.index for s in held),
                    "tokens": int(sum(len(s.tokens) - s.prompt_len for s in train)), "train_config": cfg.__dict__,
                    "draft_config": drafter.cfg.to_dict(), "final": history[-1] if history else None}
