@@ -86,8 +86,8 @@ def main():
         per_domain = ", ".join(f"{d} {v['tau']:.2f}" for d, v in g["domains"].items())
         print(f"{name}: greedy tau {g['tau']:.2f} ({per_domain}) | T=1 tau {t['tau']:.2f}")
     names = list(report["results"])
-    if len(names) == 2:
-        a, b = names
+    if len(names) >= 2:  # the first two: DSpark vs its DFlash ablation
+        a, b = names[:2]
         report["ratio"] = {t: report["results"][a][t]["tau"] / report["results"][b][t]["tau"] for t in ("greedy", "t1")}
         print(f"{a} / {b} tau: {report['ratio']}")
     out = write_json(args.out, report)

@@ -401,9 +401,12 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
             sys.exit(1)
 
 
+DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x cheaper, same greedy tau
+
+
 @main_cli.command("demo")
 @click.option("--bundle", type=click.Path(path_type=Path),
-              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark).")
+              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark-v16k-q8).")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Dev prompts to decode (one per domain first).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
@@ -421,7 +424,7 @@ def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
     draft = "smollm2-135m-dspark"
     if not (DRAFTS[draft]() / "config.json").exists():
         raise DSparkError(f"the demo drafter {draft} is missing from this installation")
-    bundle = bundle or cache_dir() / "bundles" / f"{draft}-{heads}"
+    bundle = bundle or cache_dir() / "bundles" / f"{draft}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
     if not (bundle / "manifest.json").exists():
         click.echo(f"converting smollm2-135m + {draft} -> {bundle} (once; a few minutes on 2 cores)", err=True)
         from dspark.export.onnx_export import Progress, export_bundle
@@ -430,7 +433,7 @@ def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
         progress = Progress(6)
         with progress.step("loading target and draft"):
             pair = load_pair("smollm2-135m", draft)
-        export_bundle(pair, bundle, force=True, progress=progress)
+        export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB)
     if heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
         from dspark.export.quantize import quantize_graph
 
