@@ -28,17 +28,16 @@ class DraftGate:
         self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
+        self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
         self.skipped = 0
-        self.decisions: list[bool] = []
 
     def rates(self, live: int) -> tuple[float, float]:
         """Expected committed tokens/s of (an autoregressive step, the best common verification length)."""
         width = self.batch if self.layout == PADDED else live
         ar = live / step_seconds(self.sps, width)
-        gain = np.concatenate([[0.0], np.cumsum(self.survival)])  # expected accepted drafts verifying k
-        spec = max(live * (1 + gain[k]) / (self.draft_seconds + step_seconds(self.sps, width * (1 + k)))
-                   for k in range(len(gain)))
+        spec = max(live * (1 + self.gain[k]) / (self.draft_seconds + step_seconds(self.sps, width * (1 + k)))
+                   for k in range(len(self.gain)))
         return ar, spec
 
     def should_draft(self, live: np.ndarray) -> bool:
@@ -54,7 +53,6 @@ class DraftGate:
             else:
                 draft = False
         self.skipped = 0 if draft else self.skipped + 1
-        self.decisions.append(draft)
         return draft
 
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
@@ -63,5 +61,6 @@ class DraftGate:
             mean = survival[live].mean(axis=0)
             first = self.draft_seconds is None
             self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean
+            np.cumsum(self.survival, out=self.gain[1:])
         a = self.smoothing
         self.draft_seconds = seconds if self.draft_seconds is None else (1 - a) * self.draft_seconds + a * seconds
