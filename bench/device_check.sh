@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# One short script for a task that has the GPU device (< 6 minutes): builds the dspark::ConfidenceTruncate
-# kernel with nvcc, checks it against the numpy reference on random batches (cuda-python / cupy device memory,
-# launched through ctypes) and times it. Writes JSON to ${OUT:-bench/results}/device_check.json.
+# One short script for a task that has the GPU device (< 6 minutes):
+#  1. builds the dspark::ConfidenceTruncate kernel with nvcc, checks it against the numpy reference on random
+#     batches (cupy device memory, launched through ctypes) and times it -> device_check.json;
+#  2. bench/device_runtime_check.py: the GPU runtime's cuda-python machinery for real (row-scatter kernel, CUDA-graph
+#     replay, pinned double-buffered copy/compute overlap) and, given a tiny bundle, the streaming backend end to end
+#     -> device_runtime.json. Make the tiny bundle on a CPU machine first (the device needs no torch export):
+#       python -c "import sys; sys.path.insert(0, 'tests'); from tiny import tiny_bundle; \
+#                  tiny_bundle('build/tiny/bundle', family='llama', vocab=6, layers=2, block_size=3, seed=11)"
+#     and pass it: bench/device_check.sh build/tiny/bundle
+# Writes to ${OUT:-bench/results}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader || true
-python3 - "$out" <<'PY'
+status=0
+python3 - "$out" <<'PY' || status=1
 import ctypes, json, sys, time
 from pathlib import Path
 
@@ -81,3 +89,5 @@ result = {"build_s": build_s, "cases": cases, "mismatches": mismatches, "timing"
 print(json.dumps(result, indent=2))
 sys.exit(1 if mismatches else 0)
 PY
+python3 bench/device_runtime_check.py --out "$out" ${1:+--bundle "$1"} || status=1
+exit $status

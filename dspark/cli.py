@@ -189,6 +189,13 @@ def main_cli():
     """Run DSpark speculative decoding: run, bench, train, calibrate, demo."""
 
 
+BACKEND_OPTION = click.option("--backend", default="onnxruntime", show_default=True,
+                              type=click.Choice(["onnxruntime", "tensorrt"]),
+                              help="tensorrt: the engines of `dspark-export build` (GPU, cuda-python).")
+CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --backend tensorrt: replay engine launches "
+                                  "as CUDA graphs.")
+
+
 @main_cli.command("run")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text (rendered with the bundle's chat template).")
@@ -201,14 +208,18 @@ def main_cli():
 @click.option("--gate", is_flag=True, help="Skip drafting in rounds where a plain verifier step is expected to be "
               "faster (needs the bundle's SPS table).")
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
+@BACKEND_OPTION
+@CUDA_GRAPHS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, gate, threads, as_json):
-    """Decode PROMPT with a bundle on ONNX Runtime, streaming the text; ends with tau and tokens/s."""
+def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, gate, threads, backend, cuda_graphs,
+            as_json):
+    """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
+    tau and tokens/s."""
     from dspark.runtime import Runtime
 
     from dspark.runtime.scheduler import VerifyPolicy
 
-    rt = Runtime(bundle, threads=threads)
+    rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
     policy = VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold, gate=gate)
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ar=ar, policy=policy)
     if as_json:
@@ -236,14 +247,18 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, ga
 @click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
+@BACKEND_OPTION
+@CUDA_GRAPHS_OPTION
 @click.option("--json", "as_json", is_flag=True)
-def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, temperature, as_json):
+def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, temperature, backend, cuda_graphs,
+              as_json):
     """Throughput of BUNDLE with R concurrent requests: aggregate and per-request tokens/s, tau, verify budget."""
     from dspark.runtime import Runtime
     from dspark.runtime.bench import run_batch
 
     rows = read_prompts(prompts or default_dev_prompts(), limit=limit)
-    res = run_batch(Runtime(bundle), [r["prompt"] for r in rows], concurrency, policy, max_new_tokens, temperature)
+    res = run_batch(Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs), [r["prompt"] for r in rows],
+                    concurrency, policy, max_new_tokens, temperature)
     if as_json:
         click.echo(json.dumps(res.as_dict()))
         return

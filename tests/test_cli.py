@@ -180,3 +180,19 @@ def test_run_with_the_draft_gate(bundle):
     assert code == 0, out
     code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2 w3", "--max-new-tokens", 12, "--gate")
     assert code == 0 and "drafted)" in out, out
+
+
+def test_tensorrt_backend_says_what_is_missing(bundle):
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt"), "dspark-export build")
+    man = json.loads((bundle / "manifest.json").read_text())
+    man["tensorrt"] = {"max_batch": 2, "max_context": 64, "engines": {}, "plugin": {"library": "engines/x.so"}}
+    (bundle / "manifest.json").write_text(json.dumps(man))
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt")
+    try:
+        import cuda.bindings  # noqa: F401
+        import tensorrt  # noqa: F401
+        pytest.skip("this machine has cuda-python and TensorRT: the message would name another missing piece")
+    except Exception:
+        pass
+    assert code != 0 and "Traceback" not in out and ("cuda-python" in out or "TensorRT" in out or "nvcc" in out), out
+    one_line_error(*run(main_cli, "bench", bundle, "--backend", "tpu"), "tpu")

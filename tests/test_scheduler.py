@@ -148,6 +148,7 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90(tmp_path):
     lib = build_kernel(tmp_path, archs=("80", "90"), nvcc=nvcc)
     symbols = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True).stdout
     assert "dspark_confidence_truncate" in symbols and "dspark_confidence_truncate_smem" in symbols
+    assert "dspark_scatter_rows" in symbols  # the GPU runtime's cache-append kernel
 
 
 def test_flat_time_ratio_follows_the_cost_curve():

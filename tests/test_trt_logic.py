@@ -101,3 +101,31 @@ def test_manifest_keeps_the_tensorrt_section_it_is_given(tiny_bundle_v6, tmp_pat
     assert not (bundle / "manifest.json.tmp").exists()
     assert Manifest.read(bundle).tensorrt == section
     assert Runtime(bundle).manifest.tensorrt == section
+
+
+def test_recorded_inputs_padded_to_the_engine_capacity_give_the_same_outputs(tiny_bundle_v6, manifest):
+    """doctor replays ONNX Runtime's recorded inputs on engines with caches bound at --max-context."""
+    import numpy as np
+
+    from dspark.export.check import CAPTURE, CHECK_DIR
+    from dspark.runtime.ort_backend import OrtBackend
+    from dspark.trt.profiles import pad_capacity
+
+    folder = tiny_bundle_v6[3]
+    backend = OrtBackend(folder, manifest)
+    checked = 0
+    for name, count in CAPTURE.items():
+        for i in range(count):
+            feeds = dict(np.load(folder / CHECK_DIR / f"{name}_{i}_inputs.npz"))
+            padded = pad_capacity(manifest.graphs[name], feeds, 200)
+            grown = [k for k in feeds if padded[k].shape != feeds[k].shape]
+            if name != "heads":
+                assert grown and all(200 in padded[k].shape for k in grown)
+            want = getattr(backend, name).run(feeds)
+            got = getattr(backend, name).run(padded)
+            for k in want:
+                np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), atol=1e-5, err_msg=f"{name}.{k}")
+            checked += 1
+    assert checked == sum(CAPTURE.values())
+    with pytest.raises(DSparkError, match="engines 1"):
+        pad_capacity(manifest.graphs["verifier"], dict(np.load(folder / CHECK_DIR / "verifier_1_inputs.npz")), 1)

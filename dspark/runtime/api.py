@@ -15,7 +15,10 @@ Prompt = str | Sequence[int]
 class Runtime:
     """A loaded bundle. `generate` decodes a batch; `stream` yields text as rounds commit tokens."""
 
-    def __init__(self, bundle: str | Path, backend: str = "onnxruntime", threads: int | None = None):
+    def __init__(self, bundle: str | Path, backend: str = "onnxruntime", threads: int | None = None,
+                 cuda_graphs: bool = False):
+        """backend: "onnxruntime" (CPU) or "tensorrt" (the bundle's engines from `dspark-export build`, driven
+        through cuda-python with device-resident caches; `cuda_graphs` replays each engine launch as a CUDA graph)."""
         self.folder = Path(bundle)
         self.manifest = Manifest.read(self.folder)
         self.tokenizer = ChatTokenizer(self.folder)
@@ -23,8 +26,12 @@ class Runtime:
             from dspark.runtime.ort_backend import OrtBackend
 
             self.backend = OrtBackend(self.folder, self.manifest, threads)
+        elif backend == "tensorrt":
+            from dspark.trt.stream import StreamingBackend
+
+            self.backend = StreamingBackend(self.folder, self.manifest, cuda_graphs=cuda_graphs)
         else:
-            raise DSparkError(f"unknown backend {backend!r} (available: onnxruntime)")
+            raise DSparkError(f"unknown backend {backend!r} (available: onnxruntime, tensorrt)")
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text goes through the chat template; a list of ids is used as is."""

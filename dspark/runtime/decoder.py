@@ -20,7 +20,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
 from dspark.runtime.gate import DraftGate
-from dspark.runtime.kv import KVCache
+from dspark.runtime.kv import ContextRows, KVCache
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
 
@@ -85,7 +85,8 @@ class Decoder:
     def __init__(self, backend, manifest: Manifest, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0, threshold: float = 0.0, ar: bool = False,
                  batch_size: int | None = None, capacity: int | None = None, record_taps: bool = False,
-                 record_confidence: bool = False, policy: VerifyPolicy | None = None):
+                 record_confidence: bool = False, policy: VerifyPolicy | None = None,
+                 request_ids: list[int] | None = None):
         if not prompts:
             raise DSparkError("no prompts given")
         if any(len(p) == 0 for p in prompts):
@@ -95,15 +96,19 @@ class Decoder:
         self.backend, self.man = backend, manifest
         self.bk = manifest.block_size
         longest = max(map(len, prompts))
-        limit = manifest.max_context
+        fixed = getattr(backend, "fixed_capacity", None)  # engines built for one cache size (TensorRT)
+        limit = min(manifest.max_context, fixed or manifest.max_context)
         need = longest + max_new_tokens + self.bk + 1
         if longest + self.bk + 2 > limit:
             raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
-        self.capacity = capacity or min(need, limit)
-        b = min(batch_size or len(prompts), len(prompts))
+        self.capacity = fixed or capacity or min(need, limit)
+        b = min(batch_size or len(prompts), len(prompts), getattr(backend, "max_batch", None) or len(prompts))
         t, d = manifest.target, manifest.draft
-        self.kv = KVCache(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
-        self.dkv = KVCache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
+        # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
+        self.device_resident = getattr(backend, "device_resident", False)
+        make_kv = getattr(backend, "kv_cache", KVCache)
+        self.kv = make_kv(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
+        self.dkv = make_kv(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
                            prefix="draft_past")
         self.prompts = prompts
         self.max_new = max_new_tokens
@@ -112,6 +117,8 @@ class Decoder:
         self.record_confidence = record_confidence
         self.confidence_log: list[tuple[np.ndarray, int, int]] = []  # (conf logits [Bk], verified, accepted)
         self.seed = seed
+        self.request_ids = request_ids or list(range(len(prompts)))  # noise identity (a request's tokens don't
+        # depend on which decoder or slot serves it)
         self.temperature = np.full(b, temperature, dtype=np.float32)
         self.policy = policy or VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold)
         self.planner = RoundPlanner(self.policy, b, manifest.calibration.get("sps_table"))
@@ -128,9 +135,8 @@ class Decoder:
         self.anchor = np.zeros(b, dtype=np.int64)
         self._conf: np.ndarray | None = None
         taps = manifest.graphs["verifier"].outputs[2].shape[-1]
-        self.ctx = np.zeros((b, 1, taps), dtype=np.float32)  # target features the draft has not seen, per slot
-        self.ctx_count = np.zeros(b, dtype=np.int64)
-        self._no_drafts = np.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
+        self.ctx = getattr(backend, "context_rows", ContextRows)(b, taps)  # target features the draft has not seen
+        self._no_drafts = getattr(backend, "zeros", np.zeros)((b, 1, t["vocab_size"]), dtype=np.float32)
         self._zero = np.zeros(b, dtype=np.int64)
         self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
 
@@ -147,11 +153,18 @@ class Decoder:
             "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
             **feeds_kv,
         })
-        return out["accepted"].numpy(), out["next_token"].numpy(), out["taps"].numpy(), out["new_kv"].numpy()
+        taps, new_kv = out["taps"], out["new_kv"]
+        if not self.device_resident:  # device backends keep these on the device for the cache appends
+            taps, new_kv = taps.numpy(), new_kv.numpy()
+        return out["accepted"].numpy(), out["next_token"].numpy(), taps, new_kv
+
+    @staticmethod
+    def _host(x) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.numpy()
 
     def _admit(self, slots: list[int], reqs: list[int]) -> list[Event]:
-        """Prefill requests into free slots with one verifier call. A prefill has no past, so it runs against a
-        1-position dummy cache and its K/V are written into each slot's cache afterwards."""
+        """Prefill requests into free slots with one verifier call. A prefill has no past, so it runs against an
+        empty dummy cache and its K/V are written into each slot's cache afterwards."""
         prompts = [self.prompts[r] for r in reqs]
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         tokens = np.zeros((len(reqs), int(lengths.max())), dtype=np.int64)
@@ -159,20 +172,17 @@ class Decoder:
             tokens[i, :len(p)] = p
         for slot, req in zip(slots, reqs):
             self.slot_req[slot] = req
-            self.noise[slot] = RequestNoise(self.seed, req)
+            self.noise[slot] = RequestNoise(self.seed, self.request_ids[req])
             self.kv.commit(slot, 0)
             self.dkv.commit(slot, 0)
             self.kv.check_room(slot, tokens.shape[1])
             self.results[req].started = time.perf_counter()
         n = len(reqs)
-        t = self.man.target
-        empty = np.zeros((n, t["num_kv_heads"], 1, t["head_dim"]), dtype=np.float32)
         src = [self.noise[s] for s in slots]
         t0 = time.perf_counter()
         _, first, taps, new_kv = self._verify(
-            {name: empty for name, _, _ in self.kv.names}, np.zeros((n, 1), dtype=np.int64), tokens,
-            (lengths - 1)[:, None], self._zero[:n], self.temperature[:n], stack(src, 1), stack(src, 1)[:, 0],
-            self._no_drafts[:n])
+            *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], self._zero[:n], self.temperature[:n],
+            stack(src, 1), stack(src, 1)[:, 0], self._no_drafts[:n])
         self.times.prefill += time.perf_counter() - t0
         events = []
         for i, (slot, req) in enumerate(zip(slots, reqs)):
@@ -180,37 +190,24 @@ class Decoder:
             self.kv.write(new_kv, i, count, slot=slot)
             self.kv.commit(slot, count)
             if self.record_taps:
-                self.results[req].taps.append(taps[i, :count].astype(np.float16))
-            self._set_ctx(slot, taps[i], count)
+                self.results[req].taps.append(self._host(taps)[i, :count].astype(np.float16))
+            self.ctx.put(slot, taps, i, count)
             self.anchor[slot] = first[i]
             events.append(Event(req, self._take(slot, [int(first[i])]), self.results[req].done))
         return events
 
-    def _set_ctx(self, slot: int, rows: np.ndarray, count: int, append: bool = False) -> None:
-        """Target features the draft has not consumed yet: a prefill's replace them, a verifier step's are
-        appended (several pile up while the draft gate skips rounds)."""
-        at = int(self.ctx_count[slot]) if append else 0
-        if at + count > self.ctx.shape[1]:
-            grown = np.zeros((self.batch, at + count, self.ctx.shape[2]), dtype=np.float32)
-            grown[:, :self.ctx.shape[1]] = self.ctx
-            self.ctx = grown
-        self.ctx[slot, at:at + count] = rows[:count]
-        self.ctx_count[slot] = at + count
-
     def _draft(self, live: np.ndarray):
-        c = max(int(self.ctx_count.max()), 1)
         t0 = time.perf_counter()
-        out = self.backend.draft.run({"ctx_features": np.ascontiguousarray(self.ctx[:, :c]),
-                                      "ctx_count": self.ctx_count, "anchor": self.anchor,
-                                      "past_mask": self.dkv.past_mask(), **self.dkv.feeds})
-        new_kv = out["new_draft_kv"].numpy()
+        out = self.backend.draft.run({"ctx_features": self.ctx.feed(), "ctx_count": self.ctx.count,
+                                      "anchor": self.anchor, "past_mask": self.dkv.past_mask(), **self.dkv.feeds})
+        new_kv = out["new_draft_kv"] if self.device_resident else out["new_draft_kv"].numpy()
         t1 = time.perf_counter()
-        for slot in np.flatnonzero(self.ctx_count):
-            count = int(self.ctx_count[slot])
+        for slot in np.flatnonzero(self.ctx.count):
+            count = int(self.ctx.count[slot])
             self.dkv.check_room(slot, count)
             self.dkv.write(new_kv, slot, count)
             self.dkv.commit(slot, int(self.dkv.lengths[slot]) + count)
-        self.ctx_count[:] = 0  # consumed
+        self.ctx.count[:] = 0  # consumed
         noises = [src if alive else None for src, alive in zip(self.noise, live)]
         heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
                                         "temperature": self.temperature, "draft_noise": stack(noises, self.bk),
@@ -264,7 +261,7 @@ class Decoder:
             if self.slot_req[slot] >= 0 and self.results[self.slot_req[slot]].done:
                 self.slot_req[slot] = -1
                 self.noise[slot] = None
-                self.ctx_count[slot] = 0
+                self.ctx.count[slot] = 0
 
     # -- loop -------------------------------------------------------------------------------------------------
 
@@ -297,6 +294,7 @@ class Decoder:
             self.times.rounds += 1
             self.times.round_tokens.append(b * t)
             self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0
+            host_taps = self._host(taps) if self.record_taps else None
             for slot in np.flatnonzero(live):
                 res, a = self.results[self.slot_req[slot]], int(accepted[slot])
                 self.kv.check_room(slot, t)
@@ -312,12 +310,12 @@ class Decoder:
                 if self._conf is not None:
                     self.confidence_log.append((self._conf[slot].copy(), int(verify_len[slot]), res.accepted[-1]))
                 if self.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
-                    res.taps.append(taps[slot, :a + 1].astype(np.float16))
+                    res.taps.append(host_taps[slot, :a + 1].astype(np.float16))
                 yield Event(self.slot_req[slot], self._take(slot, commit), res.done)
                 if not res.done:
                     self.kv.commit(slot, int(self.kv.lengths[slot]) + a + 1)
                     if not self.ar:
-                        self._set_ctx(slot, taps[slot], a + 1, append=True)
+                        self.ctx.put(slot, taps, slot, a + 1, append=True)
                     self.anchor[slot] = nxt[slot]
             yield from self._fill_free_slots()
         self.times.total = time.perf_counter() - start

@@ -24,9 +24,10 @@ class KVCache:
         self.names = [(f"{prefix}.{i}.{kind}", i, j) for i in range(layers) for j, kind in enumerate(("key", "value"))]
         self.feeds = {name: self.buffer[i, j] for name, i, j in self.names}
 
-    def slot_feeds(self, slot: int) -> dict[str, np.ndarray]:
-        """Batch-1 views of one slot (contiguous, so a prefill call binds them in place too)."""
-        return {name: self.buffer[i, j, slot:slot + 1] for name, i, j in self.names}
+    def prefill_feeds(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Past K/V and mask for a prefill of n requests: nothing is valid yet, so a 1-position dummy cache."""
+        empty = np.zeros((n, self.buffer.shape[3], 1, self.buffer.shape[5]), dtype=np.float32)
+        return {name: empty for name, _, _ in self.names}, np.zeros((n, 1), dtype=np.int64)
 
     def past_mask(self) -> np.ndarray:
         return self._mask
@@ -51,3 +52,27 @@ class KVCache:
         else:
             self._mask[b, length:old] = 0
         self.lengths[b] = length
+
+
+class ContextRows:
+    """Target features the draft has not consumed yet, per slot: [batch, width, features] + a count per slot.
+
+    A prefill's features replace a slot's rows, a verifier step's are appended (several steps pile up while the
+    draft gate skips rounds); the draft consumes them all.
+    """
+
+    def __init__(self, batch: int, features: int):
+        self.rows = np.zeros((batch, 1, features), dtype=np.float32)
+        self.count = np.zeros(batch, dtype=np.int64)
+
+    def put(self, slot: int, taps: np.ndarray, row: int, count: int, append: bool = False) -> None:
+        at = int(self.count[slot]) if append else 0
+        if at + count > self.rows.shape[1]:
+            grown = np.zeros((self.rows.shape[0], at + count, self.rows.shape[2]), dtype=np.float32)
+            grown[:, :self.rows.shape[1]] = self.rows
+            self.rows = grown
+        self.rows[slot, at:at + count] = taps[row, :count]
+        self.count[slot] = at + count
+
+    def feed(self) -> np.ndarray:
+        return np.ascontiguousarray(self.rows[:, :max(int(self.count.max()), 1)])

@@ -107,7 +107,8 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) ->
     if not (has_gpu and has_trt):
         missing = [what for ok, what in ((has_gpu, "a CUDA GPU with cuda-python"), (has_trt, "TensorRT 10/11")) if not ok]
         for name in ("engine build with the plugin layer", "engine outputs vs ONNX Runtime (Polygraphy)",
-                     "greedy token equality, TensorRT vs ONNX Runtime", "TensorRT decode speed"):
+                     "greedy token equality, tensorrt vs ONNX Runtime",
+                     "greedy token equality, tensorrt+graphs vs ONNX Runtime", "TensorRT decode speed"):
             rep.add(name, "skipped", f"needs {' and '.join(missing)}")
         return rep
     if build or not engines:

@@ -1,10 +1,8 @@
 """A TensorRT engine behind the same `run(feeds) -> outputs` interface as the ONNX Runtime graphs.
 
-This is the straightforward executor `dspark doctor` uses to check engines against ONNX Runtime (per-graph
-parity on recorded inputs, greedy decoding with the same Decoder): inputs are copied to the device, the engine
-runs on one stream, outputs are copied back. Device buffers are cached per tensor and grown when a larger shape
-arrives. The streaming backend (bound-once buffers, pinned double buffers, ping-pong micro-batches, CUDA graphs)
-builds on the same pieces.
+The straightforward executor `dspark doctor` uses for per-graph parity on recorded inputs: every input is copied
+to the device, the engine runs on one stream, every output is copied back. Decoding goes through the streaming
+backend (dspark.trt.stream), which keeps the decode state on the device.
 """
 from __future__ import annotations
 
@@ -12,25 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-
-
-def _check(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise DSparkError(f"CUDA call failed: {err}")
-    return rest[0] if len(rest) == 1 else (rest if rest else None)
-
-
-class HostArray:
-    """An output copied back to the host; `.numpy()` mirrors onnxruntime.OrtValue."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def numpy(self) -> np.ndarray:
-        return self.array
+from dspark.trt.cuda import check as _check
+from dspark.trt.stream import HostArray
 
 
 class TrtGraph:
@@ -98,21 +80,3 @@ class TrtGraph:
             _check(cudart.cudaMemcpyAsync(out.ctypes.data, self.buffers[name][0], out.nbytes, d2h, self.stream))
         _check(cudart.cudaStreamSynchronize(self.stream))
         return {name: HostArray(out) for name, out in results.items()}
-
-
-class TrtBackend:
-    """The bundle's three engines; plugs into dspark.runtime.decoder.Decoder like OrtBackend."""
-
-    kind = "tensorrt"
-
-    def __init__(self, folder: Path, manifest: Manifest):
-        import tensorrt as trt
-
-        section = manifest.tensorrt
-        if not section:
-            raise DSparkError(f"{folder} has no engines: run dspark-export build {folder}")
-        trt.get_plugin_registry().load_library(str(Path(folder) / section["plugin"]["library"]))
-        engines = section["engines"]
-        self.verifier = TrtGraph(Path(folder) / engines["verifier"]["file"], "verifier", manifest.block_size + 1)
-        self.draft = TrtGraph(Path(folder) / engines["draft"]["file"], "draft")
-        self.heads = TrtGraph(Path(folder) / engines["heads"]["file"], "heads")

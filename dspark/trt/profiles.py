@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
 
@@ -54,3 +56,23 @@ def graph_profiles(man: Manifest, max_batch: int, max_context: int, opt_batch: i
     heads = _resolve(man.graphs["heads"], {"batch": batch, "sps": (1, sps_len, sps_len)})
     return {"verifier": [Profile("prefill", prefill), Profile("verify", verify)],
             "draft": [Profile("step", draft)], "heads": [Profile("step", heads)]}
+
+
+def pad_capacity(spec: GraphSpec, feeds: dict, capacity: int) -> dict:
+    """Zero-pad every cache input (and its 0/1 mask) along the capacity axis to the engines' fixed capacity.
+
+    Padded positions are masked out, so the outputs are those of the unpadded call; this lets inputs recorded on
+    ONNX Runtime (any capacity) be replayed on engines whose caches are bound at --max-context.
+    """
+    out = dict(feeds)
+    for t in spec.inputs:
+        if "capacity" not in t.shape or t.name not in feeds:
+            continue
+        arr = np.asarray(feeds[t.name])
+        axis = t.shape.index("capacity")
+        if arr.shape[axis] > capacity:
+            raise DSparkError(f"{t.name} holds {arr.shape[axis]} positions, the engines {capacity}")
+        widths = [(0, 0)] * arr.ndim
+        widths[axis] = (0, capacity - arr.shape[axis])
+        out[t.name] = np.pad(arr, widths)
+    return out

@@ -1,0 +1,473 @@
+"""The GPU backend of dspark.runtime: TensorRT engines driven through cuda-python, with device-resident state.
+
+Same interface as the ONNX Runtime backend (three graphs with `run(feeds) -> outputs`, consumed by
+dspark.runtime.decoder.Decoder), but only small tensors cross the bus:
+
+- The target and draft KV caches, the draft's pending target features, the draft hidden states and the draft
+  probabilities stay on the device. New K/V entries and features are appended after each request's valid prefix
+  by one row-scatter kernel launch per cache per step (scatter_rows.cu); rollback is a length change.
+- Device buffers are allocated once per tensor (grown only when a larger shape arrives, i.e. during prefill) and
+  bound with set_tensor_address only when an address changes, so in steady state nothing is re-bound.
+- Inputs the host writes (token ids, lengths, noise, ...) are staged in pinned, double-buffered host memory and
+  uploaded on a copy stream; the engines run on a compute stream that waits for the upload's event; outputs the
+  host reads (accepted counts, next tokens, draft tokens, verification lengths, survival) come back to pinned
+  memory on the copy stream after the compute event. Other outputs are returned as DeviceTensor handles that the
+  next graph binds by address (`.numpy()` downloads one on demand).
+- Optionally (`cuda_graphs=True`) each engine launch is captured into a CUDA graph per (profile, shapes,
+  addresses) the second time that key is seen and replayed afterwards.
+
+The caches are bound at the engines' fixed capacity (the build's --max-context), so every step has static cache
+shapes. The draft's feature input keeps a fixed width (block size + 1 rows, grown when the draft gate lets rows pile
+up) with per-slot counts, so its shape is static too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.trt.buffers import HOST_VISIBLE
+
+# outputs the decode loop reads every step: downloaded to pinned memory after each run
+HOST_OUTPUTS = {graph: outs for graph, (_, outs) in HOST_VISIBLE.items()}
+
+
+@dataclass
+class DeviceTensor:
+    """A dense tensor in device memory. Valid until the graph that produced it runs again."""
+
+    cuda: object
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stream: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+    def __getitem__(self, key):
+        """Only leading-axis prefixes (x[:n]): the contiguous first n rows."""
+        if not (isinstance(key, slice) and key.start in (None, 0) and key.step in (None, 1)):
+            raise TypeError("a DeviceTensor supports only x[:n]")
+        n = min(self.shape[0], self.shape[0] if key.stop is None else key.stop)
+        return DeviceTensor(self.cuda, self.ptr, (n, *self.shape[1:]), self.dtype, self.stream)
+
+    def numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        self.cuda.copy(out.ctypes.data, self.ptr, out.nbytes, self.stream)
+        self.cuda.sync_stream(self.stream)
+        return out
+
+
+class HostArray:
+    """An output copied back to the host; `.numpy()` mirrors onnxruntime.OrtValue."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def numpy(self) -> np.ndarray:
+        return self.array
+
+
+class Device:
+    """The backend's CUDA resources: one compute stream, one copy stream, allocations with their sizes."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.compute = cuda.stream()
+        self.copy = cuda.stream()
+        self.pending: list = []  # device states with cache appends not yet issued (flushed before any engine runs)
+
+    def alloc(self, nbytes: int, zero: bool = False) -> int:
+        ptr = self.cuda.malloc(nbytes)
+        if zero:
+            self.cuda.memset(ptr, nbytes, self.compute)
+        return ptr
+
+    def flush(self) -> None:
+        """Issue every queued cache append on the compute stream, before an engine may overwrite its sources."""
+        while self.pending:
+            self.pending.pop().flush()
+
+
+class Staging:
+    """Pinned host memory for one tensor the host writes or reads, double-buffered by call parity."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.slots: list[tuple[int, np.ndarray] | None] = [None, None]
+
+    def view(self, parity: int, shape: tuple[int, ...], dtype) -> tuple[int, np.ndarray]:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        slot = self.slots[parity]
+        if slot is None or slot[1].nbytes < nbytes:
+            if slot is not None:
+                self.cuda.host_free(slot[0])
+            slot = self.slots[parity] = self.cuda.host_alloc(max(nbytes, 64))
+        return slot[0], slot[1][:nbytes].view(dtype).reshape(shape)
+
+
+class StreamGraph:
+    """One engine: bound-once device buffers, pinned double-buffered host I/O, optional CUDA-graph replay."""
+
+    def __init__(self, device: Device, engine, name: str, verify_positions: int | None = None,
+                 cuda_graphs: bool = False):
+        self.device, self.cuda, self.name = device, device.cuda, name
+        self.engine = engine
+        self.context = engine.context()
+        io = engine.io()
+        self.inputs = [n for n, is_input, _ in io if is_input]
+        self.outputs = [n for n, is_input, _ in io if not is_input]
+        self.dtypes = {n: np.dtype(dt) for n, _, dt in io}
+        self.host_outputs = HOST_OUTPUTS.get(name, set())
+        self.verify_positions = verify_positions
+        self.cuda_graphs = cuda_graphs
+        self.buffers: dict[str, tuple[int, int]] = {}  # tensor -> (device pointer, bytes)
+        self.staging: dict[str, Staging] = {}
+        self.bound: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.profile = -1
+        self.calls = 0
+        self.uploaded, self.computed, self.downloaded = (self.cuda.event() for _ in range(3))
+        self.graphs: dict[tuple, int | None] = {}  # capture key -> instantiated graph (None: seen once)
+        self.replays = 0
+
+    def _buffer(self, name: str, nbytes: int) -> int:
+        ptr, size = self.buffers.get(name, (0, 0))
+        if nbytes > size:  # grows during prefill; steady-state decode shapes fit after the first rounds
+            if ptr:
+                self.cuda.sync_stream(self.device.compute)
+                self.cuda.free(ptr)
+            ptr = self.device.alloc(nbytes)
+            self.buffers[name] = (ptr, nbytes)
+        return ptr
+
+    def _bind(self, name: str, ptr: int) -> None:
+        if self.bound.get(name) != ptr:
+            if not self.context.set_tensor_address(name, ptr):
+                raise DSparkError(f"{self.name} engine: cannot bind {name}")
+            self.bound[name] = ptr
+
+    def _shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if self.shapes.get(name) != shape:
+            if not self.context.set_input_shape(name, shape):
+                raise DSparkError(f"{self.name} engine: input {name} shape {shape} is outside its optimization "
+                                  f"profile (rebuild with a larger --max-batch / --max-context)")
+            self.shapes[name] = shape
+
+    def _pick_profile(self, feeds: dict) -> None:
+        profile = 0
+        if self.engine.num_profiles > 1 and "tokens" in feeds:
+            profile = 1 if np.shape(feeds["tokens"])[1] <= (self.verify_positions or 0) else 0
+        if profile != self.profile:
+            self.context.set_optimization_profile_async(profile, self.device.compute)
+            self.profile, self.shapes, self.bound = profile, {}, {}
+
+    def run(self, feeds: dict) -> dict:
+        cuda, dev = self.cuda, self.device
+        dev.flush()
+        self._pick_profile(feeds)
+        parity = self.calls % 2
+        self.calls += 1
+        cuda.wait(dev.copy, self.computed)  # the previous call of this engine has read its input buffers
+        for name in self.inputs:
+            value = feeds[name]
+            if isinstance(value, DeviceTensor):
+                if np.dtype(value.dtype) != self.dtypes[name]:
+                    raise DSparkError(f"{self.name}.{name}: device tensor of {value.dtype}, engine wants "
+                                      f"{self.dtypes[name]}")
+                self._shape(name, tuple(value.shape))
+                self._bind(name, value.ptr)
+                continue
+            arr = np.asarray(value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray)
+                             else value)
+            host_ptr, stage = self.staging.setdefault(name, Staging(cuda)).view(parity, arr.shape, self.dtypes[name])
+            stage[...] = arr
+            ptr = self._buffer(name, stage.nbytes)
+            cuda.copy(ptr, host_ptr, stage.nbytes, dev.copy)
+            self._shape(name, arr.shape)
+            self._bind(name, ptr)
+        cuda.record(self.uploaded, dev.copy)
+        cuda.wait(dev.compute, self.uploaded)
+        shapes = {}
+        for name in self.outputs:
+            shapes[name] = tuple(int(d) for d in self.context.get_tensor_shape(name))
+            self._bind(name, self._buffer(name, int(np.prod(shapes[name])) * self.dtypes[name].itemsize))
+        self._execute()
+        cuda.record(self.computed, dev.compute)
+        cuda.wait(dev.copy, self.computed)
+        results, pulls = {}, []
+        for name in self.outputs:
+            if name in self.host_outputs:
+                host_ptr, stage = self.staging.setdefault(name, Staging(cuda)).view(parity, shapes[name],
+                                                                                   self.dtypes[name])
+                cuda.copy(host_ptr, self.bound[name], stage.nbytes, dev.copy)
+                pulls.append((name, stage))
+            else:
+                results[name] = DeviceTensor(cuda, self.bound[name], shapes[name], self.dtypes[name], dev.compute)
+        if pulls:
+            cuda.record(self.downloaded, dev.copy)
+            cuda.sync_event(self.downloaded)
+            for name, stage in pulls:
+                results[name] = HostArray(stage.copy())
+        return results
+
+    def _execute(self) -> None:
+        launch = self._launch
+        if self.cuda_graphs:
+            key = (self.profile, tuple(sorted(self.shapes.items())), tuple(sorted(self.bound.items())))
+            if key in self.graphs:
+                if self.graphs[key] is None:  # second sighting: capture (the first ran eagerly, as TRT requires)
+                    self.graphs[key] = self.cuda.capture(self.device.compute, launch)
+                self.cuda.replay(self.graphs[key], self.device.compute)
+                self.replays += 1
+                return
+            self.graphs[key] = None
+        launch()
+
+    def _launch(self) -> None:
+        if not self.context.execute_async_v3(self.device.compute):
+            raise DSparkError(f"TensorRT execution of the {self.name} engine failed")
+
+
+class _Appends:
+    """Queued row-scatter launches into one destination, flushed before the next engine runs."""
+
+    def __init__(self, device: Device, dst: int, planes: int, batch: int, heads: int, rows: int, width: int):
+        self.device, self.dst = device, dst
+        self.planes, self.batch, self.heads, self.rows, self.width = planes, batch, heads, rows, width
+        self.queue: list[tuple[DeviceTensor, int, int, int, int]] = []
+        self.index = Staging(device.cuda)
+        self.index_dev: tuple[int, int] = (0, 0)
+        self.flushes = 0
+
+    def add(self, src: DeviceTensor, src_row: int, dst_row: int, at: int, count: int) -> None:
+        if not self.queue:
+            self.device.pending.append(self)
+        self.queue.append((src, src_row, dst_row, at, count))
+
+    def flush(self) -> None:
+        cuda, stream = self.device.cuda, self.device.compute
+        groups: dict[int, list] = {}
+        for entry in self.queue:
+            groups.setdefault(entry[0].ptr, []).append(entry)
+        self.queue = []
+        for entries in groups.values():
+            src = entries[0][0]
+            # K/V [L, 2, B, Hkv, T, hd] or features [B, T, F]: (batch rows, rows per batch row)
+            src_batch, src_rows = (src.shape[2], src.shape[4]) if len(src.shape) == 6 else src.shape[:2]
+            n = len(entries)
+            host_ptr, table = self.index.view(self.flushes % 2, (4, n), np.int64)
+            self.flushes += 1
+            for k, (_, s, d, at, count) in enumerate(entries):
+                table[:, k] = (s, d, at, count)
+            ptr, size = self.index_dev
+            if table.nbytes > size:
+                ptr = self.device.alloc(max(table.nbytes, 256))
+                self.index_dev = (ptr, max(table.nbytes, 256))
+            cuda.copy(ptr, host_ptr, table.nbytes, stream)
+            cuda.scatter_rows(src.ptr, self.dst, self.planes, src_batch, self.heads, src_rows, self.batch, self.rows,
+                              self.width, ptr, n, int(table[3].max()), stream)
+
+
+class DeviceKV:
+    """Device twin of dspark.runtime.kv.KVCache: [L, 2, B, Hkv, capacity, hd] on the device, lengths on the host."""
+
+    def __init__(self, device: Device, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 what: str = "KV", prefix: str = "past"):
+        self.device, cuda = device, device.cuda
+        self.shape = (layers, 2, batch, kv_heads, capacity, head_dim)
+        self.ptr = device.alloc(int(np.prod(self.shape)) * 4, zero=True)
+        self.capacity, self.what = capacity, what
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        self.names = [(f"{prefix}.{i}.{kind}", i, j) for i in range(layers) for j, kind in enumerate(("key", "value"))]
+        plane = batch * kv_heads * capacity * head_dim * 4
+        self._feeds = {name: DeviceTensor(cuda, self.ptr + (2 * i + j) * plane, (batch, kv_heads, capacity, head_dim),
+                                          np.dtype(np.float32), device.compute) for name, i, j in self.names}
+        self._mask_host = np.zeros((batch, capacity), dtype=np.int64)
+        self._mask = DeviceTensor(cuda, device.alloc(self._mask_host.nbytes, zero=True), (batch, capacity),
+                                  np.dtype(np.int64), device.compute)
+        self._mask_stage = Staging(cuda)
+        self._mask_dirty = False
+        self._uploads = 0
+        self._empty = 0  # device pointer of the zero cache + mask prefills bind
+        self.appends = _Appends(device, self.ptr, 2 * layers, batch, kv_heads, capacity, head_dim)
+
+    @property
+    def feeds(self) -> dict[str, DeviceTensor]:
+        return self._feeds
+
+    def past_mask(self) -> DeviceTensor:
+        if self._mask_dirty:
+            host_ptr, stage = self._mask_stage.view(self._uploads % 2, self._mask_host.shape, np.int64)
+            self._uploads += 1
+            stage[...] = self._mask_host
+            self.device.cuda.copy(self._mask.ptr, host_ptr, stage.nbytes, self.device.compute)
+            self._mask_dirty = False
+        return self._mask
+
+    def prefill_feeds(self, n: int) -> tuple[dict[str, DeviceTensor], DeviceTensor]:
+        """An all-zero cache at the engines' fixed capacity, shared by every layer input, and a zero mask."""
+        _, _, batch, heads, cap, hd = self.shape
+        if not self._empty:
+            self._empty = self.device.alloc(batch * heads * cap * hd * 4 + batch * cap * 8, zero=True)
+        kv = DeviceTensor(self.device.cuda, self._empty, (n, heads, cap, hd), np.dtype(np.float32),
+                          self.device.compute)
+        mask = DeviceTensor(self.device.cuda, self._empty + batch * heads * cap * hd * 4, (n, cap),
+                            np.dtype(np.int64), self.device.compute)
+        return {name: kv for name, _, _ in self.names}, mask
+
+    def check_room(self, b: int, count: int) -> None:
+        if self.lengths[b] + count > self.capacity:
+            raise DSparkError(f"context overflow: request {b} needs {int(self.lengths[b]) + count} {self.what} "
+                              f"positions, the engines hold {self.capacity}; shorten the prompt or max_new_tokens "
+                              f"(or rebuild with a larger --max-context)")
+
+    def write(self, new: DeviceTensor, row: int, count: int, slot: int | None = None) -> None:
+        """Queue entries [0, count) of batch row `row` of new K/V [L, 2, B', Hkv, T, hd] after slot's prefix."""
+        slot = row if slot is None else slot
+        self.appends.add(new, row, slot, int(self.lengths[slot]), count)
+
+    def commit(self, b: int, length: int) -> None:
+        old = int(self.lengths[b])
+        if length != old:
+            lo, hi = min(old, length), max(old, length)
+            self._mask_host[b, lo:hi] = 1 if length > old else 0
+            self._mask_dirty = True
+        self.lengths[b] = length
+
+
+class DeviceRows:
+    """Device twin of dspark.runtime.kv.ContextRows, at a fixed width (the draft input's shape stays static)."""
+
+    def __init__(self, device: Device, batch: int, features: int, width: int):
+        self.device, self.batch, self.features, self.width = device, batch, features, width
+        self.ptr = device.alloc(batch * width * features * 4, zero=True)
+        self.count = np.zeros(batch, dtype=np.int64)
+        self.appends = _Appends(device, self.ptr, 1, batch, 1, width, features)
+
+    def put(self, slot: int, taps: DeviceTensor, row: int, count: int, append: bool = False) -> None:
+        at = int(self.count[slot]) if append else 0
+        if at + count > self.width:
+            self._grow(at + count)
+        self.appends.add(taps, row, slot, at, count)
+        self.count[slot] = at + count
+
+    def _grow(self, need: int) -> None:
+        """More rows than the width (the draft gate skipped rounds): copy the held rows into a wider buffer."""
+        self.device.flush()
+        width = max(need, 2 * self.width)
+        old = DeviceTensor(self.device.cuda, self.ptr, (self.batch, self.width, self.features), np.dtype(np.float32),
+                           self.device.compute)
+        new_ptr = self.device.alloc(self.batch * width * self.features * 4, zero=True)
+        grown = _Appends(self.device, new_ptr, 1, self.batch, 1, width, self.features)
+        for slot in range(self.batch):
+            if self.count[slot]:
+                grown.add(old, slot, slot, 0, int(self.count[slot]))
+        self.device.flush()
+        self.device.cuda.sync_stream(self.device.compute)
+        self.device.cuda.free(self.ptr)
+        self.ptr, self.width = new_ptr, width
+        self.appends = _Appends(self.device, self.ptr, 1, self.batch, 1, width, self.features)
+
+    def feed(self) -> DeviceTensor:
+        return DeviceTensor(self.device.cuda, self.ptr, (self.batch, self.width, self.features), np.dtype(np.float32),
+                            self.device.compute)
+
+
+class TrtEngine:
+    """A deserialized TensorRT engine behind the small interface StreamGraph uses."""
+
+    def __init__(self, path: Path, runtime):
+        import tensorrt as trt
+
+        self.trt = trt
+        self.engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
+        if self.engine is None:
+            raise DSparkError(f"cannot load {path} with TensorRT {trt.__version__} (built by another version?)")
+        self.num_profiles = self.engine.num_optimization_profiles
+
+    def io(self) -> list[tuple[str, bool, np.dtype]]:
+        trt, e = self.trt, self.engine
+        names = [e.get_tensor_name(i) for i in range(e.num_io_tensors)]
+        return [(n, e.get_tensor_mode(n) == trt.TensorIOMode.INPUT, np.dtype(trt.nptype(e.get_tensor_dtype(n))))
+                for n in names]
+
+    def context(self):
+        return self.engine.create_execution_context()
+
+
+def load_trt_engines(folder: Path, manifest: Manifest) -> dict[str, TrtEngine]:
+    from dspark.trt.build import import_tensorrt
+
+    trt = import_tensorrt()
+
+    section = manifest.tensorrt
+    trt.get_plugin_registry().load_library(str(Path(folder) / section["plugin"]["library"]))
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    return {name: TrtEngine(Path(folder) / spec["file"], runtime) for name, spec in section["engines"].items()}
+
+
+class StreamingBackend:
+    """TensorRT engines of a bundle with device-resident decode state; plugs into Decoder like OrtBackend.
+
+    `engines` and `cuda` default to the bundle's TensorRT engines and the cuda-python runtime; anything with the
+    same small interface can stand in (the tests drive this class through an in-process emulation of both).
+    """
+
+    kind = "tensorrt"
+    device_resident = True
+
+    def __init__(self, folder: Path, manifest: Manifest, engines: dict | None = None, cuda=None,
+                 cuda_graphs: bool = False):
+        section = manifest.tensorrt
+        if not section:
+            raise DSparkError(f"{folder} has no engines: run dspark-export build {folder}")
+        if cuda is None:
+            from dspark.trt.cuda import CudaRuntime
+
+            cuda = CudaRuntime(_kernel_library(Path(folder), section))
+        engines = engines or load_trt_engines(Path(folder), manifest)
+        self.folder, self.manifest, self.engines, self.cuda_graphs = Path(folder), manifest, engines, cuda_graphs
+        self.device = Device(cuda)
+        self.fixed_capacity = int(section["max_context"])
+        self.max_batch = int(section["max_batch"])
+        self.block_size = manifest.block_size
+        self.verifier = StreamGraph(self.device, engines["verifier"], "verifier", manifest.block_size + 1, cuda_graphs)
+        self.draft = StreamGraph(self.device, engines["draft"], "draft", cuda_graphs=cuda_graphs)
+        self.heads = StreamGraph(self.device, engines["heads"], "heads", cuda_graphs=cuda_graphs)
+
+    def lane(self) -> "StreamingBackend":
+        """A sibling on the same engines and CUDA context with its own streams, execution contexts and buffers:
+        one per micro-batch of dspark.runtime.pingpong, so one lane's copies and host work overlap another's
+        engines."""
+        return StreamingBackend(self.folder, self.manifest, engines=self.engines, cuda=self.device.cuda,
+                                cuda_graphs=self.cuda_graphs)
+
+    def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
+                 prefix: str = "past") -> DeviceKV:
+        return DeviceKV(self.device, layers, batch, kv_heads, capacity, head_dim, what, prefix)
+
+    def context_rows(self, batch: int, features: int) -> DeviceRows:
+        return DeviceRows(self.device, batch, features, self.block_size + 1)
+
+    def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> DeviceTensor:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return DeviceTensor(self.device.cuda, self.device.alloc(nbytes, zero=True), tuple(shape), np.dtype(dtype),
+                            self.device.compute)
+
+
+def _kernel_library(folder: Path, section: dict) -> Path:
+    """The runtime kernels ship with the engines (dspark-export build); else they are built once with nvcc."""
+    from dspark.plugins.build import LIBRARY, build_kernel
+
+    shipped = folder / "engines" / LIBRARY
+    if shipped.exists():
+        return shipped
+    arch = str(section.get("device", {}).get("compute_capability", "")).replace(".", "")
+    archs = (arch,) if arch.isdigit() else ("80", "90")
+    return build_kernel(Path.home() / ".cache" / "dspark" / "kernels" / "-".join(archs), archs=archs)

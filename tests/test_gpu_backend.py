@@ -1,0 +1,141 @@
+"""The GPU backend (dspark.trt.stream) on CPU, through tests/gpu_emulator.py: device-resident caches, cache
+appends by row scatter, bound-once buffers, pinned double-buffered host I/O, CUDA-graph replay, profile limits.
+The real CUDA/TensorRT run is bench/device_check.sh and `dspark doctor`; this checks our side of the contract."""
+import numpy as np
+import pytest
+from gpu_emulator import emulated_backend
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.plugins.scatter_ref import scatter_rows
+from dspark.runtime.decoder import Decoder
+from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.scheduler import VerifyPolicy
+
+PROMPTS = [[1, 4, 2, 0, 3], [5, 2], [5, 1, 1, 3, 0, 0, 2, 4], [3], [0, 4, 4, 1]]
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_bundle_v6):
+    return tiny_bundle_v6[3]
+
+
+def decode(backend, man, prompts=PROMPTS, **kw):
+    dec = Decoder(backend, man, prompts, kw.pop("max_new_tokens", 24), **kw)
+    for _ in dec:
+        pass
+    return dec
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_streaming_backend_decodes_like_onnxruntime(bundle, temperature):
+    """Five requests through three slots (admission while others decode), greedy and sampled: same tokens, same
+    target features, and the device caches hold what the host caches hold."""
+    host = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), temperature=temperature, seed=4,
+                  batch_size=3, record_taps=True)
+    backend, man = emulated_backend(bundle, max_batch=3, max_context=96)
+    dev = decode(backend, man, temperature=temperature, seed=4, batch_size=3, record_taps=True)
+    assert [r.token_ids for r in dev.results] == [r.token_ids for r in host.results]
+    assert len({tuple(r.token_ids) for r in host.results}) > 2
+    for a, b in zip(dev.results, host.results):
+        np.testing.assert_allclose(np.concatenate(a.taps), np.concatenate(b.taps), atol=1e-3)
+    for d, h in ((dev.kv, host.kv), (dev.dkv, host.dkv)):
+        assert np.array_equal(d.lengths, h.lengths)
+        cache = backend.device.cuda.view(d.ptr, d.shape, np.float32)
+        for slot, n in enumerate(h.lengths):
+            np.testing.assert_allclose(cache[:, :, slot, :, :n], h.buffer[:, :, slot, :, :n], atol=1e-5)
+
+
+def test_steady_state_binds_nothing_and_replays_cuda_graphs(bundle):
+    backend, man = emulated_backend(bundle, max_batch=2, max_context=96, cuda_graphs=True)
+    want = decode(*emulated_backend(bundle, max_batch=2, max_context=96), prompts=PROMPTS[:2], max_new_tokens=40)
+    cuda = backend.device.cuda
+    dec = Decoder(backend, man, PROMPTS[:2], 40)
+    it = iter(dec)
+    for _ in range(12):  # prefill and the first rounds: buffers allocated, shapes seen, graphs captured
+        next(it)
+    mallocs, binds = cuda.counts["malloc"], sum(g.context.binds for g in (backend.verifier, backend.draft,
+                                                                         backend.heads))
+    replays = cuda.counts["replay"]
+    for _ in it:
+        pass
+    assert [r.token_ids for r in dec.results] == [r.token_ids for r in want.results]
+    assert cuda.counts["malloc"] == mallocs  # no allocation in steady state
+    assert sum(g.context.binds for g in (backend.verifier, backend.draft, backend.heads)) == binds
+    assert cuda.counts["replay"] > replays and cuda.counts["capture"] <= 3 * (man.block_size + 2)
+
+
+def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
+    """With verification free, the gate skips most drafts, so more rows wait than the draft input holds; the
+    device rows grow and the tokens stay exact."""
+    backend, man = emulated_backend(bundle, max_batch=1, max_context=96)
+    ar = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40,
+                ar=True)
+    free = np.full(64, 1e9, dtype=np.float32)
+    gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
+    assert gated.results[0].token_ids == ar.results[0].token_ids
+    assert 2 <= gated.times.drafted < gated.times.rounds
+    assert gated.ctx.width > man.block_size + 1
+    plain = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40)
+    n = int(min(plain.dkv.lengths[0], gated.dkv.lengths[0]))  # the draft saw every position's features
+    assert n > len(PROMPTS[0]) + 10
+    cache = backend.device.cuda.view(gated.dkv.ptr, gated.dkv.shape, np.float32)
+    np.testing.assert_allclose(cache[:, :, 0, :, :n], plain.dkv.buffer[:, :, 0, :, :n], atol=1e-5)
+
+
+def test_engine_limits_are_clear_errors(bundle):
+    backend, man = emulated_backend(bundle, max_batch=2, max_context=24)
+    with pytest.raises(DSparkError, match="too long"):
+        Decoder(backend, man, [[1] * 30], 4)
+    dec = Decoder(backend, man, PROMPTS, 4, batch_size=8)
+    assert dec.batch == 2  # the engines hold two requests at a time; the others wait for a slot
+    with pytest.raises(DSparkError, match="context overflow"):
+        decode(backend, man, [[1] * 12], max_new_tokens=40)
+    with pytest.raises(DSparkError, match="outside its optimization profile"):
+        backend.verifier.run({**{t.name: np.zeros([3 if d == "batch" else 1 if isinstance(d, str) else d
+                                                    for d in t.shape], dtype=t.dtype)
+                                 for t in man.graphs["verifier"].inputs}})
+
+
+def test_scatter_reference_appends_rows_and_clips():
+    src = np.arange(2 * 3 * 2 * 4 * 5, dtype=np.float32).reshape(2, 3, 2, 4, 5)
+    dst = np.zeros((2, 4, 2, 6, 5), dtype=np.float32)
+    scatter_rows(src, dst, [0, 2, 1], [3, 1, 0], [2, 4, 0], [3, 4, 0])
+    assert np.array_equal(dst[:, 3, :, 2:5], src[:, 0, :, :3])
+    assert np.array_equal(dst[:, 1, :, 4:6], src[:, 2, :, :2])  # rows past the destination are dropped
+    assert not dst[:, 0].any() and not dst[:, 2].any() and not dst[:, 3, :, :2].any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pingpong_micro_batches_on_two_lanes_give_the_same_tokens(bundle, temperature):
+    from dspark.runtime.pingpong import generate_pingpong
+
+    class Rt:  # the part of Runtime generate_pingpong uses, on the emulated backend
+        def __init__(self, backend, man):
+            self.backend, self.manifest = backend, man
+
+        def encode(self, p):
+            return list(p)
+
+    backend, man = emulated_backend(bundle, max_batch=2, max_context=96)
+    single = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), temperature=temperature, seed=9)
+    run = generate_pingpong(Rt(backend, man), PROMPTS, micro_batches=2, max_new_tokens=24, temperature=temperature,
+                            seed=9)
+    assert run.lanes == 2 and run.tokens_per_s > 0
+    assert [r.token_ids for r in run.results] == [r.token_ids for r in single.results]
+    with pytest.raises(DSparkError, match="no lanes"):
+        generate_pingpong(Rt(OrtBackend(bundle, man), man), PROMPTS, micro_batches=2)
+
+
+def test_device_runtime_check_script_runs_emulated(bundle, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "device_runtime_check.py"
+    out = subprocess.run([sys.executable, str(script), "--emulate", "--bundle", str(bundle), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "device_runtime_emulated.json").read_text())
+    assert res["scatter_mismatches"] == 0 and res["tokens_equal_T1"] and res["graph_replay_ok"]
