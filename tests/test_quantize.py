@@ -69,3 +69,31 @@ def test_quantize_refuses_the_verifier_twice_and_other_bits(quantized, tmp_path)
         quantize_graph(original, "heads", min_elements=1 << 40)
     with pytest.raises(DSparkError, match="not found"):
         quantize_graph(tmp_path / "nothing", "heads")
+
+
+def test_quantize_a_bundle_copied_with_hard_links(tiny_bundle_v6, tmp_path):
+    """onnx refuses external data with several hard links; quantize reads a private copy and replaces files, so
+    the original bundle the links point to is untouched."""
+    import os
+
+    from dspark.bundle import sha256_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bundle_v6[3], src)
+    model = onnx.load(str(src / "heads.onnx"))
+    onnx.save(model, str(src / "heads.onnx"), save_as_external_data=True, location="heads.onnx.data",
+              size_threshold=0)
+    man = Manifest.read(src)
+    man.graphs["heads"].sha256 = sha256_file(src / "heads.onnx")
+    man.write(src)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in src.rglob("*"):
+        (linked / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        if f.is_file():
+            os.link(f, linked / f.relative_to(src))
+    before = {f.name: sha256_file(f) for f in src.iterdir() if f.is_file()}
+    quantize_graph(linked, "heads", min_elements=0)
+    assert "heads" in Manifest.read(linked).quantized
+    assert {f.name: sha256_file(f) for f in src.iterdir() if f.is_file()} == before
+    assert Runtime(linked).generate([[1, 2, 3]], max_new_tokens=4)[0].token_ids

@@ -34,6 +34,23 @@ def _large_matmuls(model, min_elements: int) -> tuple[list[str], list[str]]:
     return big, small
 
 
+def _load_unlinked(bundle: Path, file: str):
+    """onnx.load, also for a bundle copied with hard links (cp -al), whose external data onnx refuses to read
+    ("potential hardlink attack"): then the graph is read from a private copy."""
+    import onnx
+
+    files = [f for f in (file, f"{file}.data") if (bundle / f).exists()]
+    if all((bundle / f).stat().st_nlink == 1 for f in files):
+        return onnx.load(str(bundle / file))
+    private = Path(tempfile.mkdtemp(dir=bundle.parent, prefix=f".{bundle.name}.read-"))
+    try:
+        for f in files:
+            shutil.copyfile(bundle / f, private / f)
+        return onnx.load(str(private / file))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size: int = 32,
                    accuracy_level: int = 4, min_elements: int = 1 << 20) -> dict:
     """Replace BUNDLE/<graph>.onnx by its MatMulNBits version (MatMuls with weights of >= min_elements only) and
@@ -57,7 +74,7 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
         raise DSparkError(f"{graph}.onnx of {bundle} is already quantized ({man.quantized[graph]['bits']}-bit)")
     spec = man.graphs[graph]
     try:
-        model = onnx.load(str(bundle / spec.file))
+        model = _load_unlinked(bundle, spec.file)
     except Exception as e:  # protobuf / external-data errors
         raise DSparkError(f"cannot read {bundle / spec.file}: {str(e).splitlines()[0][:200]}") from None
     big, small = _large_matmuls(model, min_elements)
