@@ -338,14 +338,16 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0),
               help="Decode temperature the calibration is for (acceptance depends on it).")
-def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_new_tokens, temperature):
+@BACKEND_OPTION
+def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_new_tokens, temperature,
+                  backend):
     """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per
     position), or with --sps the throughput table the prefix scheduler needs."""
     if sps_only:
         from dspark.calibration.sps import profile, write_sps
         from dspark.runtime import Runtime
 
-        result = profile(Runtime(bundle), max_batch=max_batch)
+        result = profile(Runtime(bundle, backend=backend), max_batch=max_batch)
         write_sps(bundle, result)
         table = result["sps_table"]
         click.echo(f"SPS table for 1..{len(table)} batch tokens written to {bundle}/manifest.json")
@@ -353,6 +355,8 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
             if m["positions"] in (1, verify_positions(bundle)):
                 click.echo(f"  batch {m['batch']:>3} x {m['positions']} positions: {m['steps_per_s']:.1f} steps/s")
         return
+    if backend != "onnxruntime":
+        raise DSparkError("--backend applies to --sps; the confidence calibration runs on ONNX Runtime")
     if prompts is None:
         raise DSparkError("give --prompts FILE (held-out prompts) or --sps")
     from dspark.calibration.calibrate import calibrate

@@ -139,3 +139,18 @@ def test_device_runtime_check_script_runs_emulated(bundle, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "device_runtime_emulated.json").read_text())
     assert res["scatter_mismatches"] == 0 and res["tokens_equal_T1"] and res["graph_replay_ok"]
+
+
+def test_sps_profile_runs_on_the_streaming_backend(bundle):
+    """`dspark calibrate --sps --backend tensorrt`: the table comes from the engines at their fixed capacity."""
+    from dspark.calibration.sps import profile
+
+    class Rt:
+        def __init__(self, backend, man):
+            self.backend, self.manifest = backend, man
+
+    backend, man = emulated_backend(bundle, max_batch=2, max_context=48)
+    res = profile(Rt(backend, man), max_batch=8, context=256, reps=1)
+    assert len(res["sps_table"]) == 2 * (man.block_size + 1)  # batch capped at the engines' max_batch
+    assert res["sps_backend"] == "tensorrt" and all(x > 0 for x in res["sps_table"])
+    assert {m["batch"] for m in res["sps_measurements"]} == {1, 2}
