@@ -309,9 +309,12 @@ def doctor_cmd(bundle, build, plugin):
 @click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
 @click.option("--init-from", help="Start from this trained drafter (folder or short name) instead of random weights; "
               "its architecture replaces --layers/--block-size/--markov-*/--intermediate-size/--confidence.")
+@click.option("--draft-vocab", default=0, type=click.IntRange(0),
+              help="Train the heads over the N most frequent response tokens, as `dspark-export onnx --draft-vocab "
+                   "N` drafts (about 2-3x faster steps on CPU); 0 = the whole vocabulary.")
 def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
               markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
-              seed, generate_only, init_from):
+              seed, generate_only, init_from, draft_vocab):
     """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
     from dspark.train.run import TrainRun
 
@@ -319,7 +322,8 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers, block_size=block_size,
              markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
              confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
-             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from).run(generate_only=generate_only)
+             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from,
+             draft_vocab=draft_vocab).run(generate_only=generate_only)
 
 
 @main_cli.command("calibrate")

@@ -77,6 +77,41 @@ def test_resume_refuses_other_settings(setup, tmp_path):
         other.load_state()
 
 
+def test_draft_vocabulary_training_loss(setup, tmp_path):
+    """Over the whole vocabulary (as a list) it is the full loss; over a shortlist only those logit rows and
+    Markov-bias rows learn, labels outside carry no CE, and the target keeps its full normalizer."""
+    import copy
+
+    from dspark.errors import DSparkError
+
+    target, drafter, samples = setup
+    v = drafter.cfg.vocab_size
+    cfg = TrainConfig(steps=2, seqs_per_step=1, anchors=6, seed=3)
+    full = Trainer(target, copy.deepcopy(drafter), samples, tmp_path / "a", cfg)
+    listed = Trainer(target, copy.deepcopy(drafter), samples, tmp_path / "b", TrainConfig(**{**cfg.__dict__,
+                                                                                           "draft_vocab": v}),
+                     np.arange(v))
+    want, want_st = full.sequence_loss(samples[0])
+    got, got_st = listed.sequence_loss(samples[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_st["accept_at"], want_st["accept_at"], rtol=1e-5, atol=1e-6)
+
+    ids = np.array(sorted({int(t) for s in samples for t in s.tokens[s.prompt_len:]})[: v // 2])
+    short = Trainer(target, copy.deepcopy(drafter), samples, tmp_path / "c",
+                    TrainConfig(**{**cfg.__dict__, "draft_vocab": len(ids)}), ids)
+    loss, st = short.sequence_loss(samples[0])
+    assert torch.isfinite(loss) and all(0 <= a <= 1 for a in st["accept_at"] if a == a)
+    loss.backward()
+    grad = short.drafter.markov_head.markov_w2.weight.grad
+    outside = np.setdiff1d(np.arange(v), ids)
+    assert grad[ids].abs().sum() > 0 and grad[outside].abs().sum() == 0
+    assert samples[0].index in short._lse  # the normalizer is kept for the next visit
+    again, _ = short.sequence_loss(samples[0])
+    assert torch.isfinite(again)
+    with pytest.raises(DSparkError, match="draft_vocab"):
+        Trainer(target, drafter, samples, tmp_path / "d", TrainConfig(draft_vocab=3))
+
+
 def test_warmup_cosine_schedule():
     cfg = TrainConfig(steps=100, lr=1.0, warmup=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)

@@ -23,11 +23,16 @@ FILE = "draft_vocab.json"
 FORMAT = "dspark-draft-vocab/1"
 
 
-def write_ranking(folder: Path, sequences: Iterable[Sequence[int]], vocab_size: int, source: str) -> Path:
+def rank_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> tuple[list[int], int]:
+    """Token ids by falling frequency (ties by id), and how many tokens were counted."""
     counts = Counter(int(t) for seq in sequences for t in seq if 0 <= int(t) < vocab_size)
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))], sum(counts.values())
+
+
+def write_ranking(folder: Path, sequences: Iterable[Sequence[int]], vocab_size: int, source: str) -> Path:
+    ranked, counted = rank_tokens(sequences, vocab_size)
     path = Path(folder) / FILE
-    path.write_text(json.dumps({"format": FORMAT, "vocab_size": vocab_size, "counted_tokens": sum(counts.values()),
+    path.write_text(json.dumps({"format": FORMAT, "vocab_size": vocab_size, "counted_tokens": counted,
                                 "source": source, "ranked_ids": ranked}) + "\n")
     return path
 

@@ -255,22 +255,29 @@ class DSparkDrafter(nn.Module):
 
     # -- teacher-forced heads (training) ----------------------------------------------------------------------
 
-    def teacher_forced_heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_forced_heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor,
+                             vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, Bk, d], prev_tokens [N, Bk] = [anchor, y_1..y_{Bk-1}] -> corrected logits [N, Bk, V],
-        confidence logits [N, Bk]."""
-        logits = self.lm_head(hidden)
+        confidence logits [N, Bk]. With vocab_ids [V'], logits over those tokens only ([N, Bk, V'])."""
+        w2 = None
+        if vocab_ids is None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = nn.functional.linear(hidden, self.lm_head.weight[vocab_ids])
+            if self.markov_head is not None:
+                w2 = self.markov_head.markov_w2.weight[vocab_ids]
         e = None
         if self.markov_head is not None:
             mh = self.markov_head
             if mh.kind == "rnn":
                 state, biases, es = None, [], []
                 for k in range(hidden.shape[1]):
-                    bias, ek, state = mh.step(prev_tokens[:, k], hidden[:, k], state)
+                    bias, ek, state = mh.step(prev_tokens[:, k], hidden[:, k], state, w2)
                     biases.append(bias)
                     es.append(ek)
                 bias, e = torch.stack(biases, 1), torch.stack(es, 1)
             else:
-                bias, e, _ = mh.step(prev_tokens, hidden, None)
+                bias, e, _ = mh.step(prev_tokens, hidden, None, w2)
             logits = logits + bias
         if self.confidence_head is None:
             return logits, torch.zeros(hidden.shape[:2], dtype=hidden.dtype, device=hidden.device)

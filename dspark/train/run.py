@@ -36,6 +36,7 @@ class TrainRun:
     seqs_per_step: int = 4
     seed: int = 42
     init_from: str | None = None  # a DeepSpec checkpoint to start from (its architecture wins over the flags)
+    draft_vocab: int = 0  # > 0: train the heads over the N most frequent response tokens (export with the same N)
 
     def _say(self, msg: str) -> None:
         click.echo(f"[train {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -111,7 +112,7 @@ class TrainRun:
         if not samples:
             raise DSparkError(f"no usable responses in {data}")
         cfg_kw = dict(steps=self.steps, lr=self.lr, anchors=self.anchors, seqs_per_step=self.seqs_per_step,
-                      seed=self.seed)
+                      seed=self.seed, draft_vocab=self.draft_vocab)
         cfg = TrainConfig(**cfg_kw) if self.loss == "dspark" else TrainConfig.dflash(**cfg_kw)
         train, held = split_samples(samples, cfg.holdout)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,15 @@ class TrainRun:
                 f.write(json.dumps(rows[s.index]) + "\n")
         if torch.cuda.is_available():
             target, drafter = target.cuda(), drafter.cuda()
-        trainer = Trainer(target, drafter, train, self.output, cfg)
+        vocab_ids = None
+        if self.draft_vocab:
+            from dspark.models.draft_vocab import rank_tokens, shortlist
+            from dspark.tokenizer import ChatTokenizer
+
+            ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size)
+            vocab_ids = shortlist(ranked, self.draft_vocab, drafter.cfg.vocab_size,
+                                  ChatTokenizer(loaded.folder).stop_ids)
+        trainer = Trainer(target, drafter, train, self.output, cfg, vocab_ids)
         if trainer.load_state():
             self._say(f"resumed at step {trainer.step}")
         self._say(f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps")

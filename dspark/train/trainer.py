@@ -36,6 +36,7 @@ class TrainConfig:
     seed: int = 42
     save_every: int = 100
     holdout: float = 0.05  # fraction of samples kept out of training (calibration / validation)
+    draft_vocab: int = 0  # > 0: train the heads on this many most frequent response tokens (as they will draft)
 
     @classmethod
     def dflash(cls, **kw) -> "TrainConfig":
@@ -84,9 +85,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(self, target: TargetModel, drafter: DSparkDrafter, samples: list[Sample], out_dir: Path,
-                 cfg: TrainConfig):
+                 cfg: TrainConfig, vocab_ids: np.ndarray | None = None):
+        """vocab_ids: the draft vocabulary of cfg.draft_vocab tokens (sorted ids)."""
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out_dir), cfg
         self.device = next(drafter.parameters()).device
+        if (0 if vocab_ids is None else len(vocab_ids)) != cfg.draft_vocab:
+            raise DSparkError(f"draft_vocab {cfg.draft_vocab} needs that many vocab_ids")
+        self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long,
+                                                                         device=self.device)
+        if self.vocab_ids is not None:  # full id -> position in the draft vocabulary (-1: outside)
+            self.local = torch.full((drafter.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self.local[self.vocab_ids] = torch.arange(len(vocab_ids), device=self.device)
+        self._lse: dict[int, torch.Tensor] = {}  # target log-normalizer per sample (draft-vocabulary training)
         self.tail_from = max(drafter.cfg.target_layer_ids) + 1
         d = drafter.cfg.hidden_size
         last = drafter.cfg.target_layer_ids.index(max(drafter.cfg.target_layer_ids))
@@ -114,10 +124,10 @@ class Trainer:
         cand = np.arange(s.prompt_len, t - 1)
         k = min(cfg.anchors, len(cand))
         anchors = torch.from_numpy(np.sort(self.rng.choice(cand, size=k, replace=False))).to(self.device)
+        first = s.prompt_len - 1
         with torch.no_grad():
-            first = s.prompt_len - 1
             hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
-            target_probs = torch.softmax(self.target.logits(hidden_t).float(), dim=-1)  # rows = positions first..T-2
+            target_probs = self._target_probs(s.index, hidden_t)  # rows = positions first..T-2
         hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
         slot = torch.arange(bk, device=self.device)
         pos = anchors[:, None] + slot[None]  # position whose next token slot j predicts
@@ -125,14 +135,21 @@ class Trainer:
         pos_c = torch.clamp(pos, max=t - 2)
         labels = tokens[pos_c + 1]
         prev = tokens[torch.clamp(pos, max=t - 1)]  # [anchor, y_1 .. y_{Bk-1}], teacher forced
-        logits, conf = self.drafter.teacher_forced_heads(hidden, prev)
+        logits, conf = self.drafter.teacher_forced_heads(hidden, prev, self.vocab_ids)
         weights = valid.float() * torch.exp(-slot.float() / cfg.decay_gamma)[None]
         wsum = weights.sum().clamp(min=1e-6)
+        ce_weights = weights
+        if self.vocab_ids is not None:  # labels the draft vocabulary cannot propose carry no CE
+            labels = self.local[labels]
+            ce_weights = weights * (labels >= 0)
+            labels = labels.clamp(min=0)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        ce = (ce.view_as(weights) * weights).sum() / wsum
+        ce = (ce.view_as(weights) * ce_weights).sum() / wsum
         p_t = target_probs[(pos_c - first).clamp(min=0)]
         p_d = torch.softmax(logits.float(), dim=-1)
         l1_each = (p_d - p_t).abs().sum(-1)  # [A, Bk], = 2 TV
+        if self.vocab_ids is not None:  # + the target mass outside the draft vocabulary (where the draft has 0)
+            l1_each = l1_each + (1 - p_t.sum(-1)).clamp(min=0)
         l1 = (l1_each * weights).sum() / wsum
         alpha = (1 - 0.5 * l1_each.detach()).clamp(0, 1)
         loss = cfg.alpha_ce * ce + cfg.alpha_l1 * l1
@@ -143,6 +160,19 @@ class Trainer:
             loss = loss + cfg.alpha_conf * bce
         acc_at = [(alpha[:, j][valid[:, j]].mean().item() if valid[:, j].any() else float("nan")) for j in range(bk)]
         return loss, {"loss": loss.item(), "ce": ce.item(), "l1": l1.item(), "bce": bce.item(), "accept_at": acc_at}
+
+    def _target_probs(self, index: int, hidden_t: torch.Tensor) -> torch.Tensor:
+        """Target distributions [T', V], or with a draft vocabulary only its columns [T', V'] (still normalized
+        over the whole vocabulary: the log-normalizer is computed once per sample and kept)."""
+        if self.vocab_ids is None:
+            return torch.softmax(self.target.logits(hidden_t).float(), dim=-1)
+        lse = self._lse.get(index)
+        if lse is None:
+            lse = self._lse[index] = torch.logsumexp(self.target.logits(hidden_t).float(), dim=-1)
+        head = self.target.lm_head
+        bias = None if head.bias is None else head.bias[self.vocab_ids]
+        rows = F.linear(hidden_t, head.weight[self.vocab_ids], bias).float()
+        return torch.exp(rows - lse[:, None])
 
     # -- loop -------------------------------------------------------------------------------------------------
 
