@@ -424,12 +424,24 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
             sys.exit(1)
 
 
+def _folder_digest(folder: Path) -> str:
+    """Short content hash of a checkpoint folder's files (names and bytes; its documentation aside)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".md"):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
 DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x cheaper, same greedy tau
 
 
 @main_cli.command("demo")
 @click.option("--bundle", type=click.Path(path_type=Path),
-              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark-v16k-q8).")
+              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark-<drafter "
+                   "digest>-v16k-q8, so a new demo drafter gets a new bundle).")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Dev prompts to decode (one per domain first).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
@@ -447,7 +459,8 @@ def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
     draft = "smollm2-135m-dspark"
     if not (DRAFTS[draft]() / "config.json").exists():
         raise DSparkError(f"the demo drafter {draft} is missing from this installation")
-    bundle = bundle or cache_dir() / "bundles" / f"{draft}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
+    digest = _folder_digest(DRAFTS[draft]())
+    bundle = bundle or cache_dir() / "bundles" / f"{draft}-{digest}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
     if not (bundle / "manifest.json").exists():
         click.echo(f"converting smollm2-135m + {draft} -> {bundle} (once; a few minutes on 2 cores)", err=True)
         from dspark.export.onnx_export import Progress, export_bundle

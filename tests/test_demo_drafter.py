@@ -27,3 +27,16 @@ def test_demo_drafter_fits_smollm2(smollm2):
     body = pair.loaded.hf_model
     drafter = load_draft(NAME, pair.loaded.config, body.model.embed_tokens, body.lm_head)
     assert "embed_tokens.weight" not in drafter.trainable_state_dict()
+
+
+def test_demo_bundle_cache_follows_the_drafter(tmp_path):
+    """A new demo drafter must not reuse a bundle converted from the old one."""
+    from dspark.cli import _folder_digest
+
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"w1"), ("README.md", b"doc")):
+        (tmp_path / name).write_bytes(data)
+    first = _folder_digest(tmp_path)
+    (tmp_path / "README.md").write_bytes(b"edited doc")
+    assert _folder_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"w2")
+    assert _folder_digest(tmp_path) != first
