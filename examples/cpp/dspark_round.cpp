@@ -2,7 +2,7 @@
 // prefills a prompt given as token ids, then runs greedy DSpark rounds (draft -> heads -> verify) and prints the
 // committed tokens. Batch 1, no streaming optimisations: the point is the contract between the engines.
 //
-//   ./dspark_round BUNDLE NUM_LAYERS KV_HEADS HEAD_DIM DRAFT_LAYERS DRAFT_KV_HEADS BLOCK VOCAB TAP_WIDTH ROUNDS id...
+//   ./dspark_round BUNDLE NUM_LAYERS KV_HEADS HEAD_DIM DRAFT_LAYERS DRAFT_KV_HEADS BLOCK VOCAB TAP_WIDTH CAPACITY ROUNDS id...
 // (the numbers are in BUNDLE/manifest.json: target/draft dims, block_size, vocab, taps = len(ids) * hidden)
 #include <NvInfer.h>
 #include <cuda_runtime.h>
@@ -164,18 +164,24 @@ struct Cache {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 13) {
-    std::cerr << "usage: dspark_round BUNDLE L HKV HD DRAFT_L DRAFT_HKV BLOCK VOCAB TAP_WIDTH ROUNDS id...\n";
+  if (argc < 14) {
+    std::cerr << "usage: dspark_round BUNDLE L HKV HD DRAFT_L DRAFT_HKV BLOCK VOCAB TAP_WIDTH CAPACITY ROUNDS id...\n"
+                 "  CAPACITY: the engines' cache size, tensorrt.max_context in BUNDLE/manifest.json\n";
     return 2;
   }
   std::string bundle = argv[1];
   int L = std::atoi(argv[2]), hkv = std::atoi(argv[3]), hd = std::atoi(argv[4]);
   int dl = std::atoi(argv[5]), dhkv = std::atoi(argv[6]), block = std::atoi(argv[7]);
-  int vocab = std::atoi(argv[8]), tapWidth = std::atoi(argv[9]), rounds = std::atoi(argv[10]);
+  int vocab = std::atoi(argv[8]), tapWidth = std::atoi(argv[9]);
+  int capacity = std::atoi(argv[10]), rounds = std::atoi(argv[11]);
   std::vector<int64_t> prompt;
-  for (int i = 11; i < argc; ++i) prompt.push_back(std::atoll(argv[i]));
+  for (int i = 12; i < argc; ++i) prompt.push_back(std::atoll(argv[i]));
   int n = static_cast<int>(prompt.size());
-  int capacity = n + rounds * (block + 1) + block + 2;
+  // The engines' profiles fix the cache size (every step binds caches of exactly this capacity).
+  if (n + rounds * (block + 1) + block + 2 > capacity) {
+    std::cerr << "prompt + rounds do not fit the engines' cache of " << capacity << " positions\n";
+    return 2;
+  }
 
   std::unique_ptr<IRuntime> runtime{createInferRuntime(gLogger)};
   if (!runtime->getPluginRegistry().loadLibrary((bundle + "/engines/libdspark_trt_plugin.so").c_str())) {
