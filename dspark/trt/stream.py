@@ -427,11 +427,11 @@ class StreamingBackend:
         section = manifest.tensorrt
         if not section:
             raise DSparkError(f"{folder} has no engines: run dspark-export build {folder}")
+        engines = engines or load_trt_engines(Path(folder), manifest)  # first: says so when TensorRT is missing
         if cuda is None:
             from dspark.trt.cuda import CudaRuntime
 
             cuda = CudaRuntime(_kernel_library(Path(folder), section))
-        engines = engines or load_trt_engines(Path(folder), manifest)
         self.folder, self.manifest, self.engines, self.cuda_graphs = Path(folder), manifest, engines, cuda_graphs
         self.device = Device(cuda)
         self.fixed_capacity = int(section["max_context"])
