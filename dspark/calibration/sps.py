@@ -18,12 +18,12 @@ def verifier_step_seconds(rt, cache, positions: int, reps: int, warmup: int = 1)
     of the runtime's backend whose committed lengths set the context), after `warmup` untimed steps."""
     man = rt.manifest
     r = len(cache.lengths)
-    zeros = getattr(rt.backend, "zeros", np.zeros)
     feeds = {"tokens": np.ones((r, positions), np.int64), "past_mask": cache.past_mask(),
              "logit_index": np.broadcast_to(np.arange(positions, dtype=np.int64), (r, positions)).copy(),
              "verify_len": np.full(r, positions - 1, np.int64), "temperature": np.zeros(r, np.float32),
              "accept_noise": np.ones((r, positions), np.float32), "sample_noise": np.ones(r, np.float32),
-             "draft_probs": zeros((r, man.block_size, man.target["vocab_size"]), dtype=np.float32), **cache.feeds}
+             "draft_probs": rt.backend.zeros((r, man.block_size, man.target["vocab_size"]), dtype=np.float32),
+             **cache.feeds}
     for _ in range(warmup):
         rt.backend.verifier.run(feeds)
     times = []
@@ -35,20 +35,17 @@ def verifier_step_seconds(rt, cache, positions: int, reps: int, warmup: int = 1)
 
 
 def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
-    from dspark.runtime.kv import KVCache
-
     t = rt.manifest.target
     bk = rt.manifest.block_size
     backend = rt.backend
-    fixed = getattr(backend, "fixed_capacity", None)  # TensorRT engines: caches at the build's --max-context
+    fixed = backend.fixed_capacity  # TensorRT engines: caches at the build's --max-context
     if fixed:
         context = min(context, fixed - bk - 1)
-    max_batch = min(max_batch, getattr(backend, "max_batch", None) or max_batch)
-    make_kv = getattr(backend, "kv_cache", KVCache)
+    max_batch = min(max_batch, backend.max_batch or max_batch)
     measured: dict[int, float] = {}
     raw = []
     for r in range(1, max_batch + 1):
-        cache = make_kv(t["num_layers"], r, t["num_kv_heads"], fixed or context + bk + 1, t["head_dim"])
+        cache = backend.kv_cache(t["num_layers"], r, t["num_kv_heads"], fixed or context + bk + 1, t["head_dim"])
         for slot in range(r):
             cache.commit(slot, context)
         for steps in range(1, bk + 2):

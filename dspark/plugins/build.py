@@ -13,6 +13,12 @@ KERNELS = ("confidence_truncate.cu", "scatter_rows.cu")
 LIBRARY = "libdspark_kernels.so"
 
 
+def archs_for(device: dict) -> tuple[str, ...]:
+    """nvcc architectures for a device record of `dspark-export build` (sm_80 + sm_90 when it has none)."""
+    arch = str(device.get("compute_capability", "")).replace(".", "")
+    return (arch,) if arch.isdigit() else ("80", "90")
+
+
 def build_kernel(out_dir: Path, archs: tuple[str, ...] = ("80", "90"), nvcc: str | None = None) -> Path:
     nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists() and not shutil.which(nvcc):

@@ -20,7 +20,6 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
 from dspark.runtime.gate import DraftGate
-from dspark.runtime.kv import ContextRows, KVCache
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
 
@@ -96,20 +95,18 @@ class Decoder:
         self.backend, self.man = backend, manifest
         self.bk = manifest.block_size
         longest = max(map(len, prompts))
-        fixed = getattr(backend, "fixed_capacity", None)  # engines built for one cache size (TensorRT)
+        fixed = backend.fixed_capacity  # engines built for one cache size (TensorRT)
         limit = min(manifest.max_context, fixed or manifest.max_context)
         need = longest + max_new_tokens + self.bk + 1
         if longest + self.bk + 2 > limit:
             raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
         self.capacity = fixed or capacity or min(need, limit)
-        b = min(batch_size or len(prompts), len(prompts), getattr(backend, "max_batch", None) or len(prompts))
+        b = min(batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
         t, d = manifest.target, manifest.draft
         # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
-        self.device_resident = getattr(backend, "device_resident", False)
-        make_kv = getattr(backend, "kv_cache", KVCache)
-        self.kv = make_kv(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
-        self.dkv = make_kv(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
-                           prefix="draft_past")
+        self.kv = backend.kv_cache(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
+        self.dkv = backend.kv_cache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
+                                    prefix="draft_past")
         self.prompts = prompts
         self.max_new = max_new_tokens
         self.ar = ar
@@ -135,8 +132,8 @@ class Decoder:
         self.anchor = np.zeros(b, dtype=np.int64)
         self._conf: np.ndarray | None = None
         taps = manifest.graphs["verifier"].outputs[2].shape[-1]
-        self.ctx = getattr(backend, "context_rows", ContextRows)(b, taps)  # target features the draft has not seen
-        self._no_drafts = getattr(backend, "zeros", np.zeros)((b, 1, t["vocab_size"]), dtype=np.float32)
+        self.ctx = backend.context_rows(b, taps)  # target features the draft has not seen
+        self._no_drafts = backend.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
         self._zero = np.zeros(b, dtype=np.int64)
         self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
 
@@ -153,10 +150,11 @@ class Decoder:
             "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
             **feeds_kv,
         })
-        taps, new_kv = out["taps"], out["new_kv"]
-        if not self.device_resident:  # device backends keep these on the device for the cache appends
-            taps, new_kv = taps.numpy(), new_kv.numpy()
-        return out["accepted"].numpy(), out["next_token"].numpy(), taps, new_kv
+        return out["accepted"].numpy(), out["next_token"].numpy(), self._state(out["taps"]), self._state(out["new_kv"])
+
+    def _state(self, x):
+        """A graph output the caches take: kept where it is on a device backend, else as a host array."""
+        return x if self.backend.device_resident else x.numpy()
 
     @staticmethod
     def _host(x) -> np.ndarray:
@@ -200,7 +198,7 @@ class Decoder:
         t0 = time.perf_counter()
         out = self.backend.draft.run({"ctx_features": self.ctx.feed(), "ctx_count": self.ctx.count,
                                       "anchor": self.anchor, "past_mask": self.dkv.past_mask(), **self.dkv.feeds})
-        new_kv = out["new_draft_kv"] if self.device_resident else out["new_draft_kv"].numpy()
+        new_kv = self._state(out["new_draft_kv"])
         t1 = time.perf_counter()
         for slot in np.flatnonzero(self.ctx.count):
             count = int(self.ctx.count[slot])

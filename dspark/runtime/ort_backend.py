@@ -9,6 +9,7 @@ import onnxruntime as ort
 
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
+from dspark.runtime.kv import ContextRows, KVCache
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -54,9 +55,19 @@ class OrtGraph:
 
 
 class OrtBackend:
-    """The three graphs of a bundle on ONNX Runtime's CPU execution provider."""
+    """The three graphs of a bundle on ONNX Runtime's CPU execution provider.
+
+    Besides the graphs, a backend says where the decode state lives (dspark.trt.stream.StreamingBackend is the
+    device twin): here caches, pending target features and graph hand-offs are host numpy arrays of any size.
+    """
 
     kind = "onnxruntime-cpu"
+    device_resident = False  # graph outputs come back as host arrays
+    fixed_capacity: int | None = None  # caches of any size
+    max_batch: int | None = None
+    kv_cache = KVCache
+    context_rows = ContextRows
+    zeros = staticmethod(np.zeros)
 
     def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
         opts = session_options(threads)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.plugins.build import build_kernel
+from dspark.plugins.build import archs_for, build_kernel
 from dspark.trt.profiles import graph_profiles
 from dspark.trt.versions import TrtApi
 
@@ -139,9 +139,8 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     report["plugin"] = {"library": f"engines/{PLUGIN_LIB}", "name": "ConfidenceTruncate", "version": "1",
                         "namespace": "dspark"}
     report["device"] = _device_info()
-    arch = str(report["device"].get("compute_capability", "")).replace(".", "")
     try:  # the GPU runtime's kernels (cache appends); without nvcc here the runtime builds them on first use
-        build_kernel(engines_dir, archs=(arch,) if arch.isdigit() else ("80", "90"))
+        build_kernel(engines_dir, archs=archs_for(report["device"]))
     except DSparkError as e:
         print(f"note: runtime kernels not built ({e}); dspark will build them on first use", file=sys.stderr)
     man.tensorrt = report

@@ -29,6 +29,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.runtime.kv import CacheLengths
 from dspark.trt.buffers import HOST_VISIBLE
 
 # outputs the decode loop reads every step: downloaded to pinned memory after each run
@@ -88,6 +89,10 @@ class Device:
             self.cuda.memset(ptr, nbytes, self.compute)
         return ptr
 
+    def tensor(self, ptr: int, shape: tuple[int, ...], dtype=np.float32) -> DeviceTensor:
+        """A view of device memory, ordered on the compute stream."""
+        return DeviceTensor(self.cuda, ptr, tuple(shape), np.dtype(dtype), self.compute)
+
     def flush(self) -> None:
         """Issue every queued cache append on the compute stream, before an engine may overwrite its sources."""
         while self.pending:
@@ -134,7 +139,6 @@ class StreamGraph:
         self.calls = 0
         self.uploaded, self.computed, self.downloaded = (self.cuda.event() for _ in range(3))
         self.graphs: dict[tuple, int | None] = {}  # capture key -> instantiated graph (None: seen once)
-        self.replays = 0
 
     def _buffer(self, name: str, nbytes: int) -> int:
         ptr, size = self.buffers.get(name, (0, 0))
@@ -208,7 +212,7 @@ class StreamGraph:
                 cuda.copy(host_ptr, self.bound[name], stage.nbytes, dev.copy)
                 pulls.append((name, stage))
             else:
-                results[name] = DeviceTensor(cuda, self.bound[name], shapes[name], self.dtypes[name], dev.compute)
+                results[name] = dev.tensor(self.bound[name], shapes[name], self.dtypes[name])
         if pulls:
             cuda.record(self.downloaded, dev.copy)
             cuda.sync_event(self.downloaded)
@@ -224,7 +228,6 @@ class StreamGraph:
                 if self.graphs[key] is None:  # second sighting: capture (the first ran eagerly, as TRT requires)
                     self.graphs[key] = self.cuda.capture(self.device.compute, launch)
                 self.cuda.replay(self.graphs[key], self.device.compute)
-                self.replays += 1
                 return
             self.graphs[key] = None
         launch()
@@ -274,23 +277,23 @@ class _Appends:
                               self.width, ptr, n, int(table[3].max()), stream)
 
 
-class DeviceKV:
-    """Device twin of dspark.runtime.kv.KVCache: [L, 2, B, Hkv, capacity, hd] on the device, lengths on the host."""
+class DeviceKV(CacheLengths):
+    """Device twin of dspark.runtime.kv.KVCache: [L, 2, B, Hkv, capacity, hd] on the device, lengths and the mask
+    on the host (the mask is uploaded when a commit changed it)."""
+
+    holder = "the engines hold"
+    hint = " (or rebuild with a larger --max-context)"
 
     def __init__(self, device: Device, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  what: str = "KV", prefix: str = "past"):
+        super().__init__(layers, batch, capacity, what, prefix)
         self.device, cuda = device, device.cuda
         self.shape = (layers, 2, batch, kv_heads, capacity, head_dim)
         self.ptr = device.alloc(int(np.prod(self.shape)) * 4, zero=True)
-        self.capacity, self.what = capacity, what
-        self.lengths = np.zeros(batch, dtype=np.int64)
-        self.names = [(f"{prefix}.{i}.{kind}", i, j) for i in range(layers) for j, kind in enumerate(("key", "value"))]
         plane = batch * kv_heads * capacity * head_dim * 4
-        self._feeds = {name: DeviceTensor(cuda, self.ptr + (2 * i + j) * plane, (batch, kv_heads, capacity, head_dim),
-                                          np.dtype(np.float32), device.compute) for name, i, j in self.names}
-        self._mask_host = np.zeros((batch, capacity), dtype=np.int64)
-        self._mask = DeviceTensor(cuda, device.alloc(self._mask_host.nbytes, zero=True), (batch, capacity),
-                                  np.dtype(np.int64), device.compute)
+        self._feeds = {name: device.tensor(self.ptr + (2 * i + j) * plane, (batch, kv_heads, capacity, head_dim))
+                       for name, i, j in self.names}
+        self._mask_dev = device.tensor(device.alloc(self._mask.nbytes, zero=True), (batch, capacity), np.int64)
         self._mask_stage = Staging(cuda)
         self._mask_dirty = False
         self._uploads = 0
@@ -303,29 +306,21 @@ class DeviceKV:
 
     def past_mask(self) -> DeviceTensor:
         if self._mask_dirty:
-            host_ptr, stage = self._mask_stage.view(self._uploads % 2, self._mask_host.shape, np.int64)
+            host_ptr, stage = self._mask_stage.view(self._uploads % 2, self._mask.shape, np.int64)
             self._uploads += 1
-            stage[...] = self._mask_host
-            self.device.cuda.copy(self._mask.ptr, host_ptr, stage.nbytes, self.device.compute)
+            stage[...] = self._mask
+            self.device.cuda.copy(self._mask_dev.ptr, host_ptr, stage.nbytes, self.device.compute)
             self._mask_dirty = False
-        return self._mask
+        return self._mask_dev
 
     def prefill_feeds(self, n: int) -> tuple[dict[str, DeviceTensor], DeviceTensor]:
         """An all-zero cache at the engines' fixed capacity, shared by every layer input, and a zero mask."""
         _, _, batch, heads, cap, hd = self.shape
         if not self._empty:
             self._empty = self.device.alloc(batch * heads * cap * hd * 4 + batch * cap * 8, zero=True)
-        kv = DeviceTensor(self.device.cuda, self._empty, (n, heads, cap, hd), np.dtype(np.float32),
-                          self.device.compute)
-        mask = DeviceTensor(self.device.cuda, self._empty + batch * heads * cap * hd * 4, (n, cap),
-                            np.dtype(np.int64), self.device.compute)
+        kv = self.device.tensor(self._empty, (n, heads, cap, hd))
+        mask = self.device.tensor(self._empty + batch * heads * cap * hd * 4, (n, cap), np.int64)
         return {name: kv for name, _, _ in self.names}, mask
-
-    def check_room(self, b: int, count: int) -> None:
-        if self.lengths[b] + count > self.capacity:
-            raise DSparkError(f"context overflow: request {b} needs {int(self.lengths[b]) + count} {self.what} "
-                              f"positions, the engines hold {self.capacity}; shorten the prompt or max_new_tokens "
-                              f"(or rebuild with a larger --max-context)")
 
     def write(self, new: DeviceTensor, row: int, count: int, slot: int | None = None) -> None:
         """Queue entries [0, count) of batch row `row` of new K/V [L, 2, B', Hkv, T, hd] after slot's prefix."""
@@ -333,12 +328,8 @@ class DeviceKV:
         self.appends.add(new, row, slot, int(self.lengths[slot]), count)
 
     def commit(self, b: int, length: int) -> None:
-        old = int(self.lengths[b])
-        if length != old:
-            lo, hi = min(old, length), max(old, length)
-            self._mask_host[b, lo:hi] = 1 if length > old else 0
-            self._mask_dirty = True
-        self.lengths[b] = length
+        self._mask_dirty |= length != int(self.lengths[b])
+        super().commit(b, length)
 
 
 class DeviceRows:
@@ -361,8 +352,7 @@ class DeviceRows:
         """More rows than the width (the draft gate skipped rounds): copy the held rows into a wider buffer."""
         self.device.flush()
         width = max(need, 2 * self.width)
-        old = DeviceTensor(self.device.cuda, self.ptr, (self.batch, self.width, self.features), np.dtype(np.float32),
-                           self.device.compute)
+        old = self.feed()
         new_ptr = self.device.alloc(self.batch * width * self.features * 4, zero=True)
         grown = _Appends(self.device, new_ptr, 1, self.batch, 1, width, self.features)
         for slot in range(self.batch):
@@ -375,8 +365,7 @@ class DeviceRows:
         self.appends = _Appends(self.device, self.ptr, 1, self.batch, 1, width, self.features)
 
     def feed(self) -> DeviceTensor:
-        return DeviceTensor(self.device.cuda, self.ptr, (self.batch, self.width, self.features), np.dtype(np.float32),
-                            self.device.compute)
+        return self.device.tensor(self.ptr, (self.batch, self.width, self.features))
 
 
 class TrtEngine:
@@ -405,7 +394,6 @@ def load_trt_engines(folder: Path, manifest: Manifest) -> dict[str, TrtEngine]:
     from dspark.trt.build import import_tensorrt
 
     trt = import_tensorrt()
-
     section = manifest.tensorrt
     trt.get_plugin_registry().load_library(str(Path(folder) / section["plugin"]["library"]))
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -457,17 +445,16 @@ class StreamingBackend:
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> DeviceTensor:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return DeviceTensor(self.device.cuda, self.device.alloc(nbytes, zero=True), tuple(shape), np.dtype(dtype),
-                            self.device.compute)
+        return self.device.tensor(self.device.alloc(nbytes, zero=True), shape, dtype)
 
 
 def _kernel_library(folder: Path, section: dict) -> Path:
     """The runtime kernels ship with the engines (dspark-export build); else they are built once with nvcc."""
-    from dspark.plugins.build import LIBRARY, build_kernel
+    from dspark.plugins.build import LIBRARY, archs_for, build_kernel
+    from dspark.resolve import cache_dir
 
     shipped = folder / "engines" / LIBRARY
     if shipped.exists():
         return shipped
-    arch = str(section.get("device", {}).get("compute_capability", "")).replace(".", "")
-    archs = (arch,) if arch.isdigit() else ("80", "90")
-    return build_kernel(Path.home() / ".cache" / "dspark" / "kernels" / "-".join(archs), archs=archs)
+    archs = archs_for(section.get("device", {}))
+    return build_kernel(cache_dir() / "kernels" / "-".join(archs), archs=archs)
