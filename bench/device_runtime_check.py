@@ -37,7 +37,7 @@ def scatter_check(cuda, rng, trials: int = 60) -> dict:
         table = np.stack([rng.integers(0, bs, n), rng.integers(0, bd, n), rng.integers(-2, td, n),
                           rng.integers(0, ts + 1, n)]).astype(np.int64)
         s_ptr, d_ptr, i_ptr = dev.alloc(src.nbytes), dev.alloc(dst.nbytes), dev.alloc(table.nbytes)
-        stage = Staging(cuda)
+        stage = Staging(dev)
         for ptr, arr in ((s_ptr, src), (d_ptr, dst), (i_ptr, table)):
             host_ptr, view = stage.view(0, arr.shape, arr.dtype)
             view[...] = arr
@@ -51,7 +51,7 @@ def scatter_check(cuda, rng, trials: int = 60) -> dict:
         scatter_rows(src, want, *table)
         bad += not np.array_equal(got, want)
         for ptr in (s_ptr, d_ptr, i_ptr):
-            cuda.free(ptr)
+            dev.free(ptr)
     # a captured launch replays with fresh contents at the same addresses
     src = rng.standard_normal((1, 2, 1, 4, 8)).astype(np.float32)
     s_ptr, d_ptr, i_ptr = dev.alloc(src.nbytes), dev.alloc(src.nbytes, zero=True), dev.alloc(4 * 8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,9 @@ class EmulatedCuda:
         self.bases: list[int] = []
         self.host: dict[int, np.ndarray] = {}
         self.graphs: dict[int, object] = {}
-        self.counts = {"copy": 0, "scatter": 0, "capture": 0, "replay": 0, "malloc": 0}
+        self.counts = {"copy": 0, "scatter": 0, "capture": 0, "replay": 0, "malloc": 0, "free": 0}
+        self.streams: set[int] = set()
+        self.events: set[int] = set()
         self._next = 1
 
     def _id(self) -> int:
@@ -64,6 +67,7 @@ class EmulatedCuda:
     def free(self, ptr: int) -> None:
         del self.device[ptr]
         self.bases.remove(ptr)
+        self.counts["free"] += 1
 
     def host_alloc(self, nbytes: int):
         arr = np.zeros(max(nbytes, 1), dtype=np.uint8)
@@ -84,10 +88,23 @@ class EmulatedCuda:
         ctypes.memset(ptr, 0, nbytes)
 
     def stream(self) -> int:
-        return self._id()
+        self.streams.add(self._id())
+        return self._next
 
     def event(self) -> int:
-        return self._id()
+        self.events.add(self._id())
+        return self._next
+
+    def destroy_stream(self, stream: int) -> None:
+        self.streams.remove(stream)
+
+    def destroy_event(self, event: int) -> None:
+        self.events.remove(event)
+
+    def live(self) -> dict[str, int]:
+        """What has not been freed or destroyed yet."""
+        return {"device": len(self.device), "pinned": len(self.host), "streams": len(self.streams),
+                "events": len(self.events), "graphs": len(self.graphs)}
 
     def record(self, event: int, stream: int) -> None:
         pass
@@ -103,13 +120,17 @@ class EmulatedCuda:
 
     def capture(self, stream: int, launch) -> int:
         exe = self._id()
-        self.graphs[exe] = launch
+        # a real graph holds no reference to the objects that captured it
+        self.graphs[exe] = weakref.WeakMethod(launch) if hasattr(launch, "__self__") else (lambda: launch)
         self.counts["capture"] += 1
         return exe
 
     def replay(self, exe: int, stream: int) -> None:
-        self.graphs[exe]()
+        self.graphs[exe]()()
         self.counts["replay"] += 1
+
+    def destroy_graph(self, exe: int) -> None:
+        del self.graphs[exe]
 
     def scatter_rows(self, src, dst, planes, src_batch, heads, src_rows, dst_batch, dst_rows, width, index,
                      n_entries, max_count, stream) -> None:

@@ -65,6 +65,32 @@ def test_steady_state_binds_nothing_and_replays_cuda_graphs(bundle):
     assert cuda.counts["replay"] > replays and cuda.counts["capture"] <= 3 * (man.block_size + 2)
 
 
+
+def test_repeated_decodes_reuse_device_memory_and_a_collected_backend_frees_it(bundle):
+    """A service calls generate again and again: the second decode of the same shapes gets its caches back from the
+    pool (no allocation, no new graph capture), a decode of other shapes frees the old caches, ping-pong lanes are
+    kept, and once the backend and its decoders are gone nothing stays allocated on the device or pinned."""
+    import gc
+
+    backend, man = emulated_backend(bundle, max_batch=3, max_context=96, cuda_graphs=True)
+    cuda = backend.device.cuda
+    first = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_new_tokens=30).results]
+    mallocs, captures, replays = cuda.counts["malloc"], cuda.counts["capture"], cuda.counts["replay"]
+    again = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_new_tokens=30).results]
+    assert again == first
+    assert cuda.counts["malloc"] == mallocs and cuda.counts["capture"] == captures
+    assert cuda.counts["replay"] > replays
+    decode(backend, man, PROMPTS[:3], max_new_tokens=8, batch_size=3)  # other cache shapes: new blocks
+    pooled = sum(map(len, backend.device.pool.values()))
+    assert pooled >= 6 and backend.device.trim() > 0  # both decodes' caches, rows and zeros were pooled
+    assert cuda.counts["free"] >= pooled and not backend.device.pool
+    assert backend.lanes(2)[1] is backend.lanes(2)[1]
+    assert cuda.live()["device"] > 0 and cuda.live()["streams"] == 4
+    del backend
+    gc.collect()
+    assert cuda.live() == {"device": 0, "pinned": 0, "streams": 0, "events": 0, "graphs": 0}
+
+
 def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
     """With verification free, the gate skips most drafts, so more rows wait than the draft input holds; the
     device rows grow and the tokens stay exact."""
@@ -154,3 +180,15 @@ def test_sps_profile_runs_on_the_streaming_backend(bundle):
     assert len(res["sps_table"]) == 2 * (man.block_size + 1)  # batch capped at the engines' max_batch
     assert res["sps_backend"] == "tensorrt" and all(x > 0 for x in res["sps_table"])
     assert {m["batch"] for m in res["sps_measurements"]} == {1, 2}
+
+
+def test_doctor_gpu_checks_pass_on_emulated_engines(bundle):
+    """The GPU half of `dspark doctor` (per-graph parity on the recorded inputs, greedy token equality eager and
+    with CUDA graphs, the speed line) runs end to end on the emulated engines and passes."""
+    from dspark.trt.gpu_checks import compare_with_onnxruntime
+
+    backend, man = emulated_backend(bundle, max_batch=2, max_context=96)
+    rows = compare_with_onnxruntime(bundle, man, backend.engines, backend.device.cuda)
+    assert [r[0] for r in rows][:1] == ["engine outputs vs ONNX Runtime (Polygraphy)"] and len(rows) == 4
+    assert all(status == "ok" for _, status, _ in rows), rows
+    assert "identical" in rows[1][2] and "identical" in rows[2][2]

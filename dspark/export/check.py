@@ -111,7 +111,8 @@ class CheckReport:
 
 def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[CheckRow]:
     """Polygraphy's comparator over the two result sets, with our per-output tolerances."""
-    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator import Comparator, RunResults
+    from polygraphy.comparator.compare import SimpleCompareFunc
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.logger import G_LOGGER
 
@@ -120,7 +121,7 @@ def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, 
     atol = {k: TOLERANCES.get(k, (0.0, 0.0))[1] for k in want}
     results = RunResults([("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]),
                           ("pytorch-reference", [IterationResult(want, runner_name="pytorch-reference")])])
-    verdict = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(rtol=rtol, atol=atol))
+    verdict = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(rtol=rtol, atol=atol))
     passed = bool(verdict)
     per_output = {}
     for accuracy in verdict:  # one AccuracyResult per compare function

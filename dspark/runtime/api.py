@@ -15,14 +15,17 @@ Prompt = str | Sequence[int]
 class Runtime:
     """A loaded bundle. `generate` decodes a batch; `stream` yields text as rounds commit tokens."""
 
-    def __init__(self, bundle: str | Path, backend: str = "onnxruntime", threads: int | None = None,
+    def __init__(self, bundle: str | Path, backend="onnxruntime", threads: int | None = None,
                  cuda_graphs: bool = False):
         """backend: "onnxruntime" (CPU) or "tensorrt" (the bundle's engines from `dspark-export build`, driven
-        through cuda-python with device-resident caches; `cuda_graphs` replays each engine launch as a CUDA graph)."""
+        through cuda-python with device-resident caches; `cuda_graphs` replays each engine launch as a CUDA graph),
+        or a backend object already made for this bundle (e.g. a StreamingBackend sharing loaded engines)."""
         self.folder = Path(bundle)
         self.manifest = Manifest.read(self.folder)
         self.tokenizer = ChatTokenizer(self.folder)
-        if backend == "onnxruntime":
+        if not isinstance(backend, str):
+            self.backend = backend
+        elif backend == "onnxruntime":
             from dspark.runtime.ort_backend import OrtBackend
 
             self.backend = OrtBackend(self.folder, self.manifest, threads)

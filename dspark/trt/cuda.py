@@ -87,6 +87,12 @@ class CudaRuntime:
     def sync_stream(self, stream: int) -> None:
         check(self.rt.cudaStreamSynchronize(self._streams[stream]))
 
+    def destroy_stream(self, stream: int) -> None:
+        check(self.rt.cudaStreamDestroy(self._streams.pop(stream)))
+
+    def destroy_event(self, event: int) -> None:
+        check(self.rt.cudaEventDestroy(self._events.pop(event)))
+
     # CUDA graphs
     def capture(self, stream: int, launch) -> int:
         """Record what `launch()` enqueues on `stream` into an instantiated CUDA graph."""
@@ -102,6 +108,9 @@ class CudaRuntime:
 
     def replay(self, exe: int, stream: int) -> None:
         check(self.rt.cudaGraphLaunch(self._graphs[exe], self._streams[stream]))
+
+    def destroy_graph(self, exe: int) -> None:
+        check(self.rt.cudaGraphExecDestroy(self._graphs.pop(exe)))
 
     # kernels
     def scatter_rows(self, src: int, dst: int, planes: int, src_batch: int, heads: int, src_rows: int,

@@ -10,33 +10,32 @@ import numpy as np
 from dspark.bundle import Manifest
 
 
-def compare_with_onnxruntime(bundle: Path) -> list[tuple[str, str, str]]:
+def compare_with_onnxruntime(bundle: Path, man: Manifest | None = None, engines: dict | None = None,
+                             cuda=None) -> list[tuple[str, str, str]]:
     """Engine outputs vs ONNX Runtime on the bundle's recorded inputs (padded to the engines' cache capacity),
-    greedy decoding with the streaming GPU backend (eager and CUDA graphs) vs ONNX Runtime, speed."""
+    greedy decoding with the streaming GPU backend (eager and CUDA graphs) vs ONNX Runtime, speed.
+
+    `engines` and `cuda` default to the bundle's TensorRT engines and cuda-python (the tests pass stand-ins)."""
     from dspark.export.check import CAPTURE, CHECK_DIR, _compare
     from dspark.runtime import Runtime
     from dspark.runtime.ort_backend import OrtBackend
-    from dspark.trt.engine import TrtGraph
     from dspark.trt.profiles import pad_capacity
+    from dspark.trt.stream import StreamingBackend, load_trt_engines
 
     bundle = Path(bundle)
-    man = Manifest.read(bundle)
-    section = man.tensorrt
+    man = man or Manifest.read(bundle)
+    engines = engines or load_trt_engines(bundle, man)  # the plugin library and the engines, loaded once
+    gpu = StreamingBackend(bundle, man, engines=engines, cuda=cuda)
     ort_backend = OrtBackend(bundle, man)
-    import tensorrt as trt
-
-    trt.get_plugin_registry().load_library(str(bundle / section["plugin"]["library"]))
-    capacity = int(section["max_context"])
+    capacity = int(man.tensorrt["max_context"])
     out, rows = [], []
     for name, count in CAPTURE.items():
-        graph = TrtGraph(bundle / section["engines"][name]["file"], name,
-                         man.block_size + 1 if name == "verifier" else None)
         for i in range(count):
             path = bundle / CHECK_DIR / f"{name}_{i}_inputs.npz"
             if not path.exists():
                 continue
             feeds = pad_capacity(man.graphs[name], dict(np.load(path)), capacity)
-            got = {k: v.numpy() for k, v in graph.run(feeds).items()}
+            got = {k: v.numpy() for k, v in getattr(gpu, name).run(feeds).items()}
             want = {k: v.numpy() for k, v in getattr(ort_backend, name).run(feeds).items()}
             rows += _compare(name, f"call {i}", got, want)
     bad = [f"{r.graph}.{r.output} (max abs err {r.max_abs_err:.3g})" for r in rows if not r.passed]
@@ -46,9 +45,9 @@ def compare_with_onnxruntime(bundle: Path) -> list[tuple[str, str, str]]:
     expected = json.loads((bundle / CHECK_DIR / "expected.json").read_text())
     prompt, n = expected["prompt_ids"], expected["max_new_tokens"]
     runs = {}
-    for label, kw in (("onnxruntime", {}), ("tensorrt", {"backend": "tensorrt"}),
-                      ("tensorrt+graphs", {"backend": "tensorrt", "cuda_graphs": True})):
-        rt = Runtime(bundle, **kw)
+    for label, backend in (("onnxruntime", ort_backend), ("tensorrt", gpu),
+                           ("tensorrt+graphs", StreamingBackend(bundle, man, engines=engines, cuda=cuda, cuda_graphs=True))):
+        rt = Runtime(bundle, backend=backend)
         rt.generate([prompt], max_new_tokens=4)  # warm-up: allocations, profiles, graph capture
         t0 = time.perf_counter()
         res = rt.generate([prompt], max_new_tokens=n)[0]

@@ -22,6 +22,8 @@ up) with per-slot counts, so its shape is static too.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from dspark.trt.buffers import HOST_VISIBLE
 
 # outputs the decode loop reads every step: downloaded to pinned memory after each run
 HOST_OUTPUTS = {graph: outs for graph, (_, outs) in HOST_VISIBLE.items()}
+MAX_GRAPHS = 64  # captured CUDA graphs kept per engine
 
 
 @dataclass
@@ -45,6 +48,7 @@ class DeviceTensor:
     shape: tuple[int, ...]
     dtype: np.dtype
     stream: int
+    base: object = None  # the tensor a view was taken of, kept alive with the view (it may own the memory)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +59,7 @@ class DeviceTensor:
         if not (isinstance(key, slice) and key.start in (None, 0) and key.step in (None, 1)):
             raise TypeError("a DeviceTensor supports only x[:n]")
         n = min(self.shape[0], self.shape[0] if key.stop is None else key.stop)
-        return DeviceTensor(self.cuda, self.ptr, (n, *self.shape[1:]), self.dtype, self.stream)
+        return DeviceTensor(self.cuda, self.ptr, (n, *self.shape[1:]), self.dtype, self.stream, self.base or self)
 
     def numpy(self) -> np.ndarray:
         out = np.empty(self.shape, dtype=self.dtype)
@@ -75,19 +79,93 @@ class HostArray:
 
 
 class Device:
-    """The backend's CUDA resources: one compute stream, one copy stream, allocations with their sizes."""
+    """The backend's CUDA resources: one compute stream, one copy stream, and every allocation it made.
+
+    Memory is freed when the backend is collected. Decode state (caches, feature rows, zero tensors, their staging)
+    is leased by the object that holds it (`lease(owner)`) and goes back to a pool when that object is collected;
+    the next decode of the same shapes gets the same addresses back, so it allocates nothing, re-binds nothing and
+    replays the CUDA graphs captured before. The pool serves exact sizes, so it holds at most about one decode's
+    state per batch size seen; `trim()` frees it, and so does an allocation that would otherwise fail."""
 
     def __init__(self, cuda):
         self.cuda = cuda
         self.compute = cuda.stream()
         self.copy = cuda.stream()
         self.pending: list = []  # device states with cache appends not yet issued (flushed before any engine runs)
+        self.sizes: dict[int, int] = {}  # device pointer -> bytes, for everything not yet freed (pooled included)
+        self.pinned: dict[int, int] = {}  # the same for pinned host memory
+        self.pool: dict[int, list[int]] = {}  # bytes -> released device blocks
+        self.born: dict[int, int] = {}  # device pointer -> allocation sequence number
+        self._births = itertools.count()
+        self.pinned_pool: dict[int, list[tuple[int, np.ndarray]]] = {}
+        self.handles: dict[str, list[int]] = {"stream": [self.compute, self.copy], "event": [], "graph": []}
+        weakref.finalize(self, _release_all, cuda, self.sizes, self.pinned, self.handles).atexit = False
 
     def alloc(self, nbytes: int, zero: bool = False) -> int:
-        ptr = self.cuda.malloc(nbytes)
+        nbytes = max(int(nbytes), 1)
+        if self.pool.get(nbytes):  # the oldest block first: a decode that allocates in the order the last one did
+            ptr = min(self.pool[nbytes], key=self.born.__getitem__)  # gets the same addresses back
+            self.pool[nbytes].remove(ptr)
+        else:
+            try:
+                ptr = self.cuda.malloc(nbytes)
+            except DSparkError:  # out of memory: what the pool holds may make room
+                if not self.trim():
+                    raise
+                ptr = self.cuda.malloc(nbytes)
+            self.born[ptr] = next(self._births)
+        self.sizes[ptr] = nbytes
         if zero:
             self.cuda.memset(ptr, nbytes, self.compute)
         return ptr
+
+    def free(self, ptr: int) -> None:
+        """Free now (a buffer that grew): waits for the work that may still read it."""
+        self.cuda.sync_stream(self.compute)
+        self.cuda.free(ptr)
+        del self.sizes[ptr], self.born[ptr]
+
+    def host_alloc(self, nbytes: int) -> tuple[int, np.ndarray]:
+        nbytes = max(int(nbytes), 64)
+        block = self.pinned_pool[nbytes].pop() if self.pinned_pool.get(nbytes) else self.cuda.host_alloc(nbytes)
+        self.pinned[block[0]] = nbytes
+        return block
+
+    def host_free(self, ptr: int) -> None:
+        self.cuda.sync_stream(self.copy)
+        self.cuda.sync_stream(self.compute)
+        self.cuda.host_free(ptr)
+        del self.pinned[ptr]
+
+    def event(self) -> int:
+        self.handles["event"].append(self.cuda.event())
+        return self.handles["event"][-1]
+
+    def lease(self, owner) -> "Lease":
+        return Lease(self, owner)
+
+    def release(self, device_ptrs: list[int], pinned: list[tuple[int, np.ndarray]] = ()) -> None:
+        """Back to the pool (the streams are drained first: the host may write a pinned block as soon as it is
+        handed out again)."""
+        if pinned:
+            self.cuda.sync_stream(self.copy)
+            self.cuda.sync_stream(self.compute)
+        for ptr in device_ptrs:
+            self.pool.setdefault(self.sizes[ptr], []).append(ptr)
+        for block in pinned:
+            self.pinned_pool.setdefault(self.pinned[block[0]], []).append(block)
+
+    def trim(self) -> int:
+        """Free the pooled device blocks; returns how many bytes that gave back."""
+        freed = 0
+        self.cuda.sync_stream(self.compute)
+        pool, self.pool = self.pool, {}  # (a collected owner may release into the new one meanwhile)
+        for ptrs in pool.values():
+            for ptr in ptrs:
+                self.cuda.free(ptr)
+                freed += self.sizes.pop(ptr)
+                del self.born[ptr]
+        return freed
 
     def tensor(self, ptr: int, shape: tuple[int, ...], dtype=np.float32) -> DeviceTensor:
         """A view of device memory, ordered on the compute stream."""
@@ -99,11 +177,55 @@ class Device:
             self.pending.pop().flush()
 
 
+def _release_all(cuda, sizes: dict, pinned: dict, handles: dict) -> None:
+    """A collected Device frees what it still holds (not at interpreter exit: the driver reclaims it then)."""
+    for stream in handles["stream"]:
+        cuda.sync_stream(stream)
+    for exe in handles["graph"]:
+        cuda.destroy_graph(exe)
+    for ptr in list(sizes):
+        cuda.free(ptr)
+    for ptr in list(pinned):
+        cuda.host_free(ptr)
+    for event in handles["event"]:
+        cuda.destroy_event(event)
+    for stream in handles["stream"]:
+        cuda.destroy_stream(stream)
+    sizes.clear(), pinned.clear()
+
+
+class Lease:
+    """Memory one object holds while it lives (same calls as Device); pooled again when the object is collected."""
+
+    def __init__(self, device: Device, owner):
+        self.device = device
+        self.device_ptrs: list[int] = []
+        self.pinned: list[tuple[int, np.ndarray]] = []
+        weakref.finalize(owner, device.release, self.device_ptrs, self.pinned).atexit = False
+
+    def alloc(self, nbytes: int, zero: bool = False) -> int:
+        self.device_ptrs.append(self.device.alloc(nbytes, zero))
+        return self.device_ptrs[-1]
+
+    def free(self, ptr: int) -> None:
+        """A block the owner outgrew goes back to the pool at once (work on the compute stream is ordered)."""
+        self.device_ptrs.remove(ptr)
+        self.device.release([ptr])
+
+    def host_alloc(self, nbytes: int) -> tuple[int, np.ndarray]:
+        self.pinned.append(self.device.host_alloc(nbytes))
+        return self.pinned[-1]
+
+    def host_free(self, ptr: int) -> None:
+        self.pinned[:] = [b for b in self.pinned if b[0] != ptr]
+        self.device.host_free(ptr)
+
+
 class Staging:
     """Pinned host memory for one tensor the host writes or reads, double-buffered by call parity."""
 
-    def __init__(self, cuda):
-        self.cuda = cuda
+    def __init__(self, memory: Device | Lease):
+        self.memory = memory
         self.slots: list[tuple[int, np.ndarray] | None] = [None, None]
 
     def view(self, parity: int, shape: tuple[int, ...], dtype) -> tuple[int, np.ndarray]:
@@ -111,8 +233,8 @@ class Staging:
         slot = self.slots[parity]
         if slot is None or slot[1].nbytes < nbytes:
             if slot is not None:
-                self.cuda.host_free(slot[0])
-            slot = self.slots[parity] = self.cuda.host_alloc(max(nbytes, 64))
+                self.memory.host_free(slot[0])
+            slot = self.slots[parity] = self.memory.host_alloc(nbytes)
         return slot[0], slot[1][:nbytes].view(dtype).reshape(shape)
 
 
@@ -137,15 +259,14 @@ class StreamGraph:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.profile = -1
         self.calls = 0
-        self.uploaded, self.computed, self.downloaded = (self.cuda.event() for _ in range(3))
+        self.uploaded, self.computed, self.downloaded = (device.event() for _ in range(3))
         self.graphs: dict[tuple, int | None] = {}  # capture key -> instantiated graph (None: seen once)
 
     def _buffer(self, name: str, nbytes: int) -> int:
         ptr, size = self.buffers.get(name, (0, 0))
         if nbytes > size:  # grows during prefill; steady-state decode shapes fit after the first rounds
             if ptr:
-                self.cuda.sync_stream(self.device.compute)
-                self.cuda.free(ptr)
+                self.device.free(ptr)
             ptr = self.device.alloc(nbytes)
             self.buffers[name] = (ptr, nbytes)
         return ptr
@@ -189,7 +310,7 @@ class StreamGraph:
                 continue
             arr = np.asarray(value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray)
                              else value)
-            host_ptr, stage = self.staging.setdefault(name, Staging(cuda)).view(parity, arr.shape, self.dtypes[name])
+            host_ptr, stage = self.staging.setdefault(name, Staging(dev)).view(parity, arr.shape, self.dtypes[name])
             stage[...] = arr
             ptr = self._buffer(name, stage.nbytes)
             cuda.copy(ptr, host_ptr, stage.nbytes, dev.copy)
@@ -207,7 +328,7 @@ class StreamGraph:
         results, pulls = {}, []
         for name in self.outputs:
             if name in self.host_outputs:
-                host_ptr, stage = self.staging.setdefault(name, Staging(cuda)).view(parity, shapes[name],
+                host_ptr, stage = self.staging.setdefault(name, Staging(dev)).view(parity, shapes[name],
                                                                                    self.dtypes[name])
                 cuda.copy(host_ptr, self.bound[name], stage.nbytes, dev.copy)
                 pulls.append((name, stage))
@@ -227,10 +348,21 @@ class StreamGraph:
             if key in self.graphs:
                 if self.graphs[key] is None:  # second sighting: capture (the first ran eagerly, as TRT requires)
                     self.graphs[key] = self.cuda.capture(self.device.compute, launch)
+                    self.device.handles["graph"].append(self.graphs[key])
                 self.cuda.replay(self.graphs[key], self.device.compute)
                 return
+            if len(self.graphs) >= MAX_GRAPHS:  # addresses keep changing (new shapes): start the cache over
+                self._drop_graphs()
             self.graphs[key] = None
         launch()
+
+    def _drop_graphs(self) -> None:
+        self.cuda.sync_stream(self.device.compute)
+        for exe in self.graphs.values():
+            if exe is not None:
+                self.cuda.destroy_graph(exe)
+                self.device.handles["graph"].remove(exe)
+        self.graphs.clear()
 
     def _launch(self) -> None:
         if not self.context.execute_async_v3(self.device.compute):
@@ -240,11 +372,11 @@ class StreamGraph:
 class _Appends:
     """Queued row-scatter launches into one destination, flushed before the next engine runs."""
 
-    def __init__(self, device: Device, dst: int, planes: int, batch: int, heads: int, rows: int, width: int):
-        self.device, self.dst = device, dst
+    def __init__(self, memory: Lease, dst: int, planes: int, batch: int, heads: int, rows: int, width: int):
+        self.memory, self.device, self.dst = memory, memory.device, dst
         self.planes, self.batch, self.heads, self.rows, self.width = planes, batch, heads, rows, width
         self.queue: list[tuple[DeviceTensor, int, int, int, int]] = []
-        self.index = Staging(device.cuda)
+        self.index = Staging(memory)
         self.index_dev: tuple[int, int] = (0, 0)
         self.flushes = 0
 
@@ -270,7 +402,9 @@ class _Appends:
                 table[:, k] = (s, d, at, count)
             ptr, size = self.index_dev
             if table.nbytes > size:
-                ptr = self.device.alloc(max(table.nbytes, 256))
+                if ptr:
+                    self.memory.free(ptr)
+                ptr = self.memory.alloc(max(table.nbytes, 256))
                 self.index_dev = (ptr, max(table.nbytes, 256))
             cuda.copy(ptr, host_ptr, table.nbytes, stream)
             cuda.scatter_rows(src.ptr, self.dst, self.planes, src_batch, self.heads, src_rows, self.batch, self.rows,
@@ -287,18 +421,19 @@ class DeviceKV(CacheLengths):
     def __init__(self, device: Device, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  what: str = "KV", prefix: str = "past"):
         super().__init__(layers, batch, capacity, what, prefix)
-        self.device, cuda = device, device.cuda
+        self.device, memory = device, device.lease(self)
         self.shape = (layers, 2, batch, kv_heads, capacity, head_dim)
-        self.ptr = device.alloc(int(np.prod(self.shape)) * 4, zero=True)
+        self.ptr = memory.alloc(int(np.prod(self.shape)) * 4, zero=True)
         plane = batch * kv_heads * capacity * head_dim * 4
         self._feeds = {name: device.tensor(self.ptr + (2 * i + j) * plane, (batch, kv_heads, capacity, head_dim))
                        for name, i, j in self.names}
-        self._mask_dev = device.tensor(device.alloc(self._mask.nbytes, zero=True), (batch, capacity), np.int64)
-        self._mask_stage = Staging(cuda)
+        self._mask_dev = device.tensor(memory.alloc(self._mask.nbytes, zero=True), (batch, capacity), np.int64)
+        self._mask_stage = Staging(memory)
         self._mask_dirty = False
         self._uploads = 0
         self._empty = 0  # device pointer of the zero cache + mask prefills bind
-        self.appends = _Appends(device, self.ptr, 2 * layers, batch, kv_heads, capacity, head_dim)
+        self.memory = memory
+        self.appends = _Appends(memory, self.ptr, 2 * layers, batch, kv_heads, capacity, head_dim)
 
     @property
     def feeds(self) -> dict[str, DeviceTensor]:
@@ -317,7 +452,7 @@ class DeviceKV(CacheLengths):
         """An all-zero cache at the engines' fixed capacity, shared by every layer input, and a zero mask."""
         _, _, batch, heads, cap, hd = self.shape
         if not self._empty:
-            self._empty = self.device.alloc(batch * heads * cap * hd * 4 + batch * cap * 8, zero=True)
+            self._empty = self.memory.alloc(batch * heads * cap * hd * 4 + batch * cap * 8, zero=True)
         kv = self.device.tensor(self._empty, (n, heads, cap, hd))
         mask = self.device.tensor(self._empty + batch * heads * cap * hd * 4, (n, cap), np.int64)
         return {name: kv for name, _, _ in self.names}, mask
@@ -337,9 +472,10 @@ class DeviceRows:
 
     def __init__(self, device: Device, batch: int, features: int, width: int):
         self.device, self.batch, self.features, self.width = device, batch, features, width
-        self.ptr = device.alloc(batch * width * features * 4, zero=True)
+        self.memory = device.lease(self)
+        self.ptr = self.memory.alloc(batch * width * features * 4, zero=True)
         self.count = np.zeros(batch, dtype=np.int64)
-        self.appends = _Appends(device, self.ptr, 1, batch, 1, width, features)
+        self.appends = _Appends(self.memory, self.ptr, 1, batch, 1, width, features)
 
     def put(self, slot: int, taps: DeviceTensor, row: int, count: int, append: bool = False) -> None:
         at = int(self.count[slot]) if append else 0
@@ -353,16 +489,15 @@ class DeviceRows:
         self.device.flush()
         width = max(need, 2 * self.width)
         old = self.feed()
-        new_ptr = self.device.alloc(self.batch * width * self.features * 4, zero=True)
-        grown = _Appends(self.device, new_ptr, 1, self.batch, 1, width, self.features)
+        new_ptr = self.memory.alloc(self.batch * width * self.features * 4, zero=True)
+        grown = _Appends(self.memory, new_ptr, 1, self.batch, 1, width, self.features)
         for slot in range(self.batch):
             if self.count[slot]:
                 grown.add(old, slot, slot, 0, int(self.count[slot]))
         self.device.flush()
-        self.device.cuda.sync_stream(self.device.compute)
-        self.device.cuda.free(self.ptr)
+        self.memory.free(self.ptr)
         self.ptr, self.width = new_ptr, width
-        self.appends = _Appends(self.device, self.ptr, 1, self.batch, 1, width, self.features)
+        self.appends = _Appends(self.memory, self.ptr, 1, self.batch, 1, width, self.features)
 
     def feed(self) -> DeviceTensor:
         return self.device.tensor(self.ptr, (self.batch, self.width, self.features))
@@ -428,13 +563,16 @@ class StreamingBackend:
         self.verifier = StreamGraph(self.device, engines["verifier"], "verifier", manifest.block_size + 1, cuda_graphs)
         self.draft = StreamGraph(self.device, engines["draft"], "draft", cuda_graphs=cuda_graphs)
         self.heads = StreamGraph(self.device, engines["heads"], "heads", cuda_graphs=cuda_graphs)
+        self._siblings: list[StreamingBackend] = []
 
-    def lane(self) -> "StreamingBackend":
-        """A sibling on the same engines and CUDA context with its own streams, execution contexts and buffers:
-        one per micro-batch of dspark.runtime.pingpong, so one lane's copies and host work overlap another's
-        engines."""
-        return StreamingBackend(self.folder, self.manifest, engines=self.engines, cuda=self.device.cuda,
-                                cuda_graphs=self.cuda_graphs)
+    def lanes(self, n: int) -> list["StreamingBackend"]:
+        """This backend and n - 1 siblings on the same engines and CUDA context, each with its own streams,
+        execution contexts and buffers: one per micro-batch of dspark.runtime.pingpong, so one lane's copies and
+        host work overlap another's engines. Siblings are kept for the next call (and its captured graphs)."""
+        while len(self._siblings) < n - 1:
+            self._siblings.append(StreamingBackend(self.folder, self.manifest, engines=self.engines,
+                                                   cuda=self.device.cuda, cuda_graphs=self.cuda_graphs))
+        return [self, *self._siblings[:n - 1]]
 
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
                  prefix: str = "past") -> DeviceKV:
@@ -445,7 +583,9 @@ class StreamingBackend:
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> DeviceTensor:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return self.device.tensor(self.device.alloc(nbytes, zero=True), shape, dtype)
+        zeros = self.device.tensor(0, shape, dtype)
+        zeros.ptr = self.device.lease(zeros).alloc(nbytes, zero=True)
+        return zeros
 
 
 def _kernel_library(folder: Path, section: dict) -> Path:
