@@ -305,7 +305,8 @@ def doctor_cmd(bundle, build, plugin):
 @click.option("--lr", default=6e-4, show_default=True, type=float)
 @click.option("--anchors", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--seed", default=42, show_default=True, type=int)
+@click.option("--seed", type=int, help="Weights and anchor draws [default: 42; with --init-from: mixed with the "
+              "starting weights, so a continued run does not replay the blocks its starting point saw].")
 @click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
 @click.option("--init-from", help="Start from this trained drafter (folder or short name) instead of random weights; "
               "its architecture replaces --layers/--block-size/--markov-*/--intermediate-size/--confidence.")

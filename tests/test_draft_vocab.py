@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.errors import DSparkError
-from dspark.models.draft_vocab import FILE, read_ranking, shortlist, write_ranking
+from dspark.models.draft_vocab import FILE, rank_tokens, read_ranking, shortlist, write_ranking
 from stats import chi_square_pvalue, exact_joint
 
 V = 6
@@ -24,7 +24,7 @@ def test_shortlist_keeps_stop_tokens_then_rank_then_ids():
 
 
 def test_ranking_round_trip_and_foreign_files(tmp_path):
-    write_ranking(tmp_path, [[5, 5, 3], [3, 5, 99, 1]], vocab_size=10, source="test")
+    write_ranking(tmp_path, *rank_tokens([[5, 5, 3], [3, 5, 99, 1]], 10), vocab_size=10, source="test")
     assert read_ranking(tmp_path, 10) == [5, 3, 1]  # by count, ties by id; out-of-vocabulary ids dropped
     with pytest.raises(DSparkError, match="vocabulary"):
         read_ranking(tmp_path, 12)

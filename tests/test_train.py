@@ -186,3 +186,10 @@ def test_init_from_continues_from_a_trained_drafter(tmp_path):
     assert mine.keys() == theirs.keys()
     for k in mine:
         torch.testing.assert_close(mine[k], theirs[k].to(torch.bfloat16).to(mine[k].dtype))  # stored as bf16
+    # a continued run draws other anchors than its starting point did, deterministically; an explicit seed wins
+    seed = run._anchor_seed(warm)
+    assert seed != 42 and seed == run._anchor_seed(run._warm_start(loaded))
+    other = tiny_pair("llama", vocab=16, block_size=3, markov_rank=4, draft_layers=2, seed=5)[2]
+    assert run._anchor_seed(other) != seed
+    assert dataclasses.replace(run, seed=7)._anchor_seed(warm) == 7
+    assert dataclasses.replace(run, init_from=None)._anchor_seed(warm) == 42

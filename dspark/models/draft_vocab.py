@@ -29,11 +29,11 @@ def rank_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> tuple[li
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))], sum(counts.values())
 
 
-def write_ranking(folder: Path, sequences: Iterable[Sequence[int]], vocab_size: int, source: str) -> Path:
-    ranked, counted = rank_tokens(sequences, vocab_size)
+def write_ranking(folder: Path, ranked: Sequence[int], counted: int, vocab_size: int, source: str) -> Path:
+    """`ranked`, `counted`: what rank_tokens returned."""
     path = Path(folder) / FILE
     path.write_text(json.dumps({"format": FORMAT, "vocab_size": vocab_size, "counted_tokens": counted,
-                                "source": source, "ranked_ids": ranked}) + "\n")
+                                "source": source, "ranked_ids": list(ranked)}) + "\n")
     return path
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ import click
 import torch
 
 from dspark.errors import DSparkError
+
+DEFAULT_SEED = 42
 
 
 @dataclass
@@ -34,7 +37,7 @@ class TrainRun:
     lr: float = 6e-4
     anchors: int = 32
     seqs_per_step: int = 4
-    seed: int = 42
+    seed: int | None = None  # None: 42, or with init_from a seed derived from the starting weights
     init_from: str | None = None  # a DeepSpec checkpoint to start from (its architecture wins over the flags)
     draft_vocab: int = 0  # > 0: train the heads over the N most frequent response tokens (export with the same N)
 
@@ -54,6 +57,14 @@ class TrainRun:
                   f"Markov rank {drafter.cfg.markov_rank})")
         return drafter
 
+    def _anchor_seed(self, drafter) -> int:
+        if self.seed is not None or self.init_from is None:
+            return DEFAULT_SEED if self.seed is None else self.seed
+        digest = hashlib.sha256()
+        for p in drafter.parameters():
+            digest.update(p.detach().float().cpu().numpy().tobytes()[:4096])
+        return DEFAULT_SEED ^ int.from_bytes(digest.digest()[:4], "little")
+
     def _generation_bundle(self, pair) -> Path:
         if self.bundle is not None:
             return self.bundle
@@ -68,7 +79,7 @@ class TrainRun:
     def run(self, generate_only: bool = False) -> Path:
         from dspark.cli import default_dev_prompts, read_prompts
         from dspark.models.checkpoint import save_draft
-        from dspark.models.draft_vocab import write_ranking
+        from dspark.models.draft_vocab import rank_tokens, write_ranking
         from dspark.models.pair import Pair, random_drafter
         from dspark.models.target import load_target
         from dspark.train.data import check_prompts, generate_responses
@@ -85,7 +96,7 @@ class TrainRun:
         if self.init_from is not None:
             drafter = self._warm_start(loaded)
         else:
-            drafter = random_drafter(loaded, seed=self.seed, num_layers=self.layers, block_size=self.block_size,
+            drafter = random_drafter(loaded, seed=DEFAULT_SEED if self.seed is None else self.seed, num_layers=self.layers, block_size=self.block_size,
                                      markov_rank=self.markov_rank, markov_head_type=self.markov_type,
                                      confidence_head=self.confidence, intermediate_size=self.intermediate_size)
         target = loaded.wrapper(drafter.cfg.target_layer_ids)
@@ -112,7 +123,7 @@ class TrainRun:
         if not samples:
             raise DSparkError(f"no usable responses in {data}")
         cfg_kw = dict(steps=self.steps, lr=self.lr, anchors=self.anchors, seqs_per_step=self.seqs_per_step,
-                      seed=self.seed, draft_vocab=self.draft_vocab)
+                      seed=self._anchor_seed(drafter), draft_vocab=self.draft_vocab)
         cfg = TrainConfig(**cfg_kw) if self.loss == "dspark" else TrainConfig.dflash(**cfg_kw)
         train, held = split_samples(samples, cfg.holdout)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -122,11 +133,12 @@ class TrainRun:
         if torch.cuda.is_available():
             target, drafter = target.cuda(), drafter.cuda()
         vocab_ids = None
+        ranking = rank_tokens([s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size)
         if self.draft_vocab:
-            from dspark.models.draft_vocab import rank_tokens, shortlist
+            from dspark.models.draft_vocab import shortlist
             from dspark.tokenizer import ChatTokenizer
 
-            ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size)
+            ranked, _ = ranking
             vocab_ids = shortlist(ranked, self.draft_vocab, drafter.cfg.vocab_size,
                                   ChatTokenizer(loaded.folder).stop_ids)
         trainer = Trainer(target, drafter, train, self.output, cfg, vocab_ids)
@@ -137,7 +149,7 @@ class TrainRun:
         with open(self.output / "train_log.jsonl", "a") as log:
             history = trainer.run(log=log)
         ckpt = save_draft(drafter.cpu(), self.output / "checkpoint")
-        write_ranking(ckpt, [s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size,
+        write_ranking(ckpt, *ranking, drafter.cfg.vocab_size,
                       f"target responses to {len(train)} prompts of {self.prompts.name}")
         summary = {"checkpoint": str(ckpt), "sequences": len(train), "held_out": sorted(s.index for s in held),
                    "tokens": int(sum(len(s.tokens) - s.prompt_len for s in train)), "train_config": cfg.__dict__,
