@@ -1,5 +1,6 @@
 """Training on a tiny pair: losses fall, teacher forcing matches inference, resume is exact; STS calibration."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +109,19 @@ def test_draft_vocabulary_training_loss(setup, tmp_path):
     assert samples[0].index in short._lse  # the normalizer is kept for the next visit
     again, _ = short.sequence_loss(samples[0])
     assert torch.isfinite(again)
+    saved = list(Path(samples[0].taps_path).parent.glob("*.lse-*.npy"))
+    assert len(saved) == 1  # ... and on disk, where a later run finds it: same loss, no full-vocabulary logits
+    later = Trainer(target, copy.deepcopy(drafter), samples, tmp_path / "e",
+                    TrainConfig(**{**cfg.__dict__, "draft_vocab": len(ids)}), ids)
+    target.logits = None  # would raise if called
+    try:
+        torch.testing.assert_close(later.sequence_loss(samples[0])[0], loss)
+    finally:
+        del target.logits
+    np.save(saved[0], np.zeros_like(np.load(saved[0])))  # and it really is what the later run reads
+    assert not torch.allclose(Trainer(target, copy.deepcopy(drafter), samples, tmp_path / "f", TrainConfig(
+        **{**cfg.__dict__, "draft_vocab": len(ids)}), ids).sequence_loss(samples[0])[0], loss)
+    saved[0].unlink()
     with pytest.raises(DSparkError, match="draft_vocab"):
         Trainer(target, drafter, samples, tmp_path / "d", TrainConfig(draft_vocab=3))
 

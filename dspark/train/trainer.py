@@ -2,6 +2,7 @@
 AdamW with warmup + cosine, checkpoint and resume."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -97,6 +98,8 @@ class Trainer:
             self.local = torch.full((drafter.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.local[self.vocab_ids] = torch.arange(len(vocab_ids), device=self.device)
         self._lse: dict[int, torch.Tensor] = {}  # target log-normalizer per sample (draft-vocabulary training)
+        self._head_tag = "" if vocab_ids is None else hashlib.sha256(
+            target.lm_head.weight.detach().cpu().float().numpy().tobytes()).hexdigest()[:12]
         self.tail_from = max(drafter.cfg.target_layer_ids) + 1
         d = drafter.cfg.hidden_size
         last = drafter.cfg.target_layer_ids.index(max(drafter.cfg.target_layer_ids))
@@ -127,7 +130,7 @@ class Trainer:
         first = s.prompt_len - 1
         with torch.no_grad():
             hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
-            target_probs = self._target_probs(s.index, hidden_t)  # rows = positions first..T-2
+            target_probs = self._target_probs(s, hidden_t)  # rows = positions first..T-2
         hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
         slot = torch.arange(bk, device=self.device)
         pos = anchors[:, None] + slot[None]  # position whose next token slot j predicts
@@ -161,18 +164,32 @@ class Trainer:
         acc_at = [(alpha[:, j][valid[:, j]].mean().item() if valid[:, j].any() else float("nan")) for j in range(bk)]
         return loss, {"loss": loss.item(), "ce": ce.item(), "l1": l1.item(), "bce": bce.item(), "accept_at": acc_at}
 
-    def _target_probs(self, index: int, hidden_t: torch.Tensor) -> torch.Tensor:
+    def _target_probs(self, s: Sample, hidden_t: torch.Tensor) -> torch.Tensor:
         """Target distributions [T', V], or with a draft vocabulary only its columns [T', V'] (still normalized
-        over the whole vocabulary: the log-normalizer is computed once per sample and kept)."""
+        over the whole vocabulary: the log-normalizer is computed once per sample and kept, in memory and beside
+        the sample's taps, so later epochs and later runs on the same data skip the full-vocabulary logits)."""
         if self.vocab_ids is None:
             return torch.softmax(self.target.logits(hidden_t).float(), dim=-1)
-        lse = self._lse.get(index)
+        lse = self._lse.get(s.index)
         if lse is None:
-            lse = self._lse[index] = torch.logsumexp(self.target.logits(hidden_t).float(), dim=-1)
+            path = self._lse_path(s)
+            if path.exists():
+                lse = torch.from_numpy(np.load(path)).to(self.device)
+            else:
+                lse = torch.logsumexp(self.target.logits(hidden_t).float(), dim=-1)
+                tmp = path.with_name(path.name + ".tmp.npy")
+                np.save(tmp, lse.cpu().numpy())
+                tmp.replace(path)
+            self._lse[s.index] = lse
         head = self.target.lm_head
         bias = None if head.bias is None else head.bias[self.vocab_ids]
         rows = F.linear(hidden_t, head.weight[self.vocab_ids], bias).float()
         return torch.exp(rows - lse[:, None])
+
+    def _lse_path(self, s: Sample) -> Path:
+        """Keyed by the target's LM head as well: another target's normalizers are never read."""
+        taps = Path(s.taps_path)
+        return taps.with_name(f"{taps.stem}.lse-{self._head_tag}.npy")
 
     # -- loop -------------------------------------------------------------------------------------------------
 
