@@ -96,7 +96,8 @@ class TrainRun:
         if self.init_from is not None:
             drafter = self._warm_start(loaded)
         else:
-            drafter = random_drafter(loaded, seed=DEFAULT_SEED if self.seed is None else self.seed, num_layers=self.layers, block_size=self.block_size,
+            drafter = random_drafter(loaded, seed=DEFAULT_SEED if self.seed is None else self.seed,
+                                     num_layers=self.layers, block_size=self.block_size,
                                      markov_rank=self.markov_rank, markov_head_type=self.markov_type,
                                      confidence_head=self.confidence, intermediate_size=self.intermediate_size)
         target = loaded.wrapper(drafter.cfg.target_layer_ids)

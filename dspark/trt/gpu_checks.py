@@ -45,8 +45,8 @@ def compare_with_onnxruntime(bundle: Path, man: Manifest | None = None, engines:
     expected = json.loads((bundle / CHECK_DIR / "expected.json").read_text())
     prompt, n = expected["prompt_ids"], expected["max_new_tokens"]
     runs = {}
-    for label, backend in (("onnxruntime", ort_backend), ("tensorrt", gpu),
-                           ("tensorrt+graphs", StreamingBackend(bundle, man, engines=engines, cuda=cuda, cuda_graphs=True))):
+    graphs = StreamingBackend(bundle, man, engines=engines, cuda=cuda, cuda_graphs=True)
+    for label, backend in (("onnxruntime", ort_backend), ("tensorrt", gpu), ("tensorrt+graphs", graphs)):
         rt = Runtime(bundle, backend=backend)
         rt.generate([prompt], max_new_tokens=4)  # warm-up: allocations, profiles, graph capture
         t0 = time.perf_counter()
