@@ -12,29 +12,33 @@ import numpy as np
 
 from dspark.bundle import Manifest
 
+clock = time.perf_counter
 
-def verifier_step_seconds(rt, cache, positions: int, reps: int, warmup: int = 1) -> float:
-    """Median seconds of one verifier step over `positions` new tokens for every request of `cache` (a KV cache
-    of the runtime's backend whose committed lengths set the context), after `warmup` untimed steps."""
+
+def verifier_step_seconds(rt, cache, positions: list[int], reps: int, warmup: int = 1) -> dict[int, float]:
+    """Median seconds of one verifier step over each count of new tokens in `positions`, for every request of
+    `cache` (a KV cache of the runtime's backend whose committed lengths set the context), after `warmup` untimed
+    rounds. The counts are timed in turn within each repetition, so drift of the machine's speed (frequent on
+    shared VMs) hits them alike and their ratios hold."""
     man = rt.manifest
     r = len(cache.lengths)
-    feeds = {"tokens": np.ones((r, positions), np.int64), "past_mask": cache.past_mask(),
-             "logit_index": np.broadcast_to(np.arange(positions, dtype=np.int64), (r, positions)).copy(),
-             "verify_len": np.full(r, positions - 1, np.int64), "temperature": np.zeros(r, np.float32),
-             "accept_noise": np.ones((r, positions), np.float32), "sample_noise": np.ones(r, np.float32),
-             "draft_probs": rt.backend.zeros((r, man.block_size, man.target["vocab_size"]), dtype=np.float32),
-             **cache.feeds}
-    for _ in range(warmup):
-        rt.backend.verifier.run(feeds)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        rt.backend.verifier.run(feeds)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    draft_probs = rt.backend.zeros((r, man.block_size, man.target["vocab_size"]), dtype=np.float32)
+    feeds = {n: {"tokens": np.ones((r, n), np.int64), "past_mask": cache.past_mask(),
+                 "logit_index": np.broadcast_to(np.arange(n, dtype=np.int64), (r, n)).copy(),
+                 "verify_len": np.full(r, n - 1, np.int64), "temperature": np.zeros(r, np.float32),
+                 "accept_noise": np.ones((r, n), np.float32), "sample_noise": np.ones(r, np.float32),
+                 "draft_probs": draft_probs, **cache.feeds} for n in positions}
+    times: dict[int, list[float]] = {n: [] for n in positions}
+    for rep in range(warmup + reps):
+        for n in positions:
+            t0 = clock()
+            rt.backend.verifier.run(feeds[n])
+            if rep >= warmup:
+                times[n].append(clock() - t0)
+    return {n: float(np.median(t)) for n, t in times.items()}
 
 
-def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
+def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 9) -> dict:
     t = rt.manifest.target
     bk = rt.manifest.block_size
     backend = rt.backend
@@ -48,8 +52,9 @@ def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 5) -> dict:
         cache = backend.kv_cache(t["num_layers"], r, t["num_kv_heads"], fixed or context + bk + 1, t["head_dim"])
         for slot in range(r):
             cache.commit(slot, context)
+        seconds = verifier_step_seconds(rt, cache, list(range(1, bk + 2)), reps, warmup=2)
         for steps in range(1, bk + 2):
-            sps = 1.0 / verifier_step_seconds(rt, cache, steps, reps)
+            sps = 1.0 / seconds[steps]
             n = r * steps
             measured[n] = max(measured.get(n, 0.0), sps)  # the best shape reaching n tokens
             raw.append({"batch": r, "positions": steps, "tokens": n, "steps_per_s": sps})
