@@ -191,7 +191,8 @@ def _release_all(cuda, sizes: dict, pinned: dict, handles: dict) -> None:
         cuda.destroy_event(event)
     for stream in handles["stream"]:
         cuda.destroy_stream(stream)
-    sizes.clear(), pinned.clear()
+    sizes.clear()
+    pinned.clear()
 
 
 class Lease:
@@ -207,7 +208,7 @@ class Lease:
         self.device_ptrs.append(self.device.alloc(nbytes, zero))
         return self.device_ptrs[-1]
 
-    def free(self, ptr: int) -> None:
+    def give_back(self, ptr: int) -> None:
         """A block the owner outgrew goes back to the pool at once (work on the compute stream is ordered)."""
         self.device_ptrs.remove(ptr)
         self.device.release([ptr])
@@ -403,7 +404,7 @@ class _Appends:
             ptr, size = self.index_dev
             if table.nbytes > size:
                 if ptr:
-                    self.memory.free(ptr)
+                    self.memory.give_back(ptr)
                 ptr = self.memory.alloc(max(table.nbytes, 256))
                 self.index_dev = (ptr, max(table.nbytes, 256))
             cuda.copy(ptr, host_ptr, table.nbytes, stream)
@@ -495,7 +496,7 @@ class DeviceRows:
             if self.count[slot]:
                 grown.add(old, slot, slot, 0, int(self.count[slot]))
         self.device.flush()
-        self.memory.free(self.ptr)
+        self.memory.give_back(self.ptr)
         self.ptr, self.width = new_ptr, width
         self.appends = _Appends(self.memory, self.ptr, 1, self.batch, 1, width, self.features)
 
