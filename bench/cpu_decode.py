@@ -1,6 +1,7 @@
 """CPU decoding benchmark, everything in one run on the same prompts (issue: ONNX Runtime DSpark runtime):
-HF transformers greedy generate, ONNX Runtime AR fp32, ONNX Runtime DSpark fp32, and optionally DSpark on other
-bundles of the same pair (e.g. `--extra heads-q8=BUNDLE_Q8` after `dspark-export quantize`).
+HF transformers greedy generate, ONNX Runtime AR fp32, ONNX Runtime DSpark fp32 (all drafts verified and, when
+the bundle has an SPS table from `dspark calibrate --sps`, with Algorithm 1 choosing how many), and optionally
+DSpark on other bundles of the same pair (e.g. `--extra heads-q8=BUNDLE_Q8` after `dspark-export quantize`).
 
   python bench/cpu_decode.py --bundle BUNDLE [--extra NAME=BUNDLE] [--per-domain 2] [--max-new-tokens 128]
 
@@ -18,10 +19,10 @@ import numpy as np
 from common import dev_rows, machine, position_acceptance, write_json
 
 
-def run_ort(rt, prompts, max_new, ar):
+def run_ort(rt, prompts, max_new, ar, policy=None):
     per_prompt, results, times = [], [], []
     for p in prompts:
-        dec = rt.decoder([p], max_new_tokens=max_new, ar=ar)
+        dec = rt.decoder([p], max_new_tokens=max_new, ar=ar, policy=policy)
         for _ in dec:
             pass
         res = dec.results[0]
@@ -32,8 +33,8 @@ def run_ort(rt, prompts, max_new, ar):
     return per_prompt, results, times
 
 
-def dspark_method(rt, prompts, max_new, ar_res) -> dict:
-    rates, res, times = run_ort(rt, prompts, max_new, ar=False)
+def dspark_method(rt, prompts, max_new, ar_res, policy=None) -> dict:
+    rates, res, times = run_ort(rt, prompts, max_new, ar=False, policy=policy)
     tot = {k: sum(getattr(t, k) for t in times) for k in ("draft", "heads", "verify", "total", "prefill")}
     rounds = sum(t.rounds for t in times)
     host = tot["total"] - tot["prefill"] - tot["draft"] - tot["heads"] - tot["verify"]
@@ -45,6 +46,7 @@ def dspark_method(rt, prompts, max_new, ar_res) -> dict:
             "per_round_ms": {k: 1000 * v / rounds for k, v in (("draft", tot["draft"]), ("heads", tot["heads"]),
                                                                   ("verify", tot["verify"]), ("host", host))},
             "draft_plus_heads_over_verify": (tot["draft"] + tot["heads"]) / tot["verify"],
+            "drafts_verified_per_round": float(np.mean([n for r in res for n in r.proposed])),
             "quantized": rt.manifest.quantized}
 
 
@@ -95,6 +97,7 @@ def main():
     args = ap.parse_args()
 
     from dspark.runtime import Runtime
+    from dspark.runtime.scheduler import VerifyPolicy
 
     rows = dev_rows(args.prompts, per_domain=args.per_domain)
     rt = Runtime(args.bundle)
@@ -107,6 +110,12 @@ def main():
         "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
         "tokens": int(sum(len(r.token_ids) for r in ar_res))}
     report["methods"]["ort_dspark_fp32"] = dspark_method(rt, ids, args.max_new_tokens, ar_res)
+    if rt.manifest.calibration.get("sps_table"):
+        report["methods"]["ort_dspark_fp32_scheduled"] = dspark_method(
+            rt, ids, args.max_new_tokens, ar_res, VerifyPolicy("schedule"))
+        report.setdefault("ratios", {})["dspark_scheduled_over_ort_ar"] = (
+            report["methods"]["ort_dspark_fp32_scheduled"]["tokens_per_s_median"]
+            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     for spec in args.extra:
         name, _, path = spec.partition("=")
         other = Runtime(path)
@@ -129,9 +138,10 @@ def main():
                                                             / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     path = write_json(args.out, report)
     m = report["methods"]
-    print(f"{'method':<26}{'tok/s (median)':>16}{'tau':>8}")
+    print(f"{'method':<28}{'tok/s (median)':>16}{'tau':>8}{'drafts verified':>17}")
     for name, v in m.items():
-        print(f"{name:<26}{v['tokens_per_s_median']:>16.1f}{v.get('tau', float('nan')):>8.2f}")
+        print(f"{name:<28}{v['tokens_per_s_median']:>16.1f}{v.get('tau', float('nan')):>8.2f}"
+              f"{v.get('drafts_verified_per_round', float('nan')):>17.2f}")
     print(f"verify {rt.manifest.block_size + 1} vs 1 positions: x{report['verify_cost']['ratio']:.2f}; "
           f"host per round {m['ort_dspark_fp32']['per_round_ms']['host']:.2f} ms")
     for name, v in m.items():
