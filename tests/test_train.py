@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.calibration.sts import Rounds, auc, ece, fit_sts, reliability
-from dspark.train.trainer import Sample, Trainer, TrainConfig, lr_at, split_samples
+from dspark.train.trainer import Sample, Trainer, TrainConfig, lr_at, save_shared, split_samples
 from tiny import tiny_pair
 
 
@@ -124,6 +124,26 @@ def test_draft_vocabulary_training_loss(setup, tmp_path):
     saved[0].unlink()
     with pytest.raises(DSparkError, match="draft_vocab"):
         Trainer(target, drafter, samples, tmp_path / "d", TrainConfig(draft_vocab=3))
+
+
+def test_cache_files_survive_a_concurrent_writer(tmp_path, monkeypatch):
+    """Two runs on one data cache (DSpark and its DFlash ablation) may write the same normalizer file at the same
+    moment: the second writer's save and rename land between the first one's save and rename."""
+    import dspark.train.trainer as trainer
+
+    path = tmp_path / "7.lse-ab.npy"
+    real_save, nested = np.save, []
+
+    def save_with_a_rival(f, arr):
+        real_save(f, arr)
+        if not nested:
+            nested.append(1)
+            save_shared(path, arr + 1)  # the other run, same file
+
+    monkeypatch.setattr(trainer.np, "save", save_with_a_rival)
+    save_shared(path, np.arange(3.0))
+    assert np.load(path).tolist() == [0.0, 1.0, 2.0]  # whichever rename lands last; nothing left behind
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_warmup_cosine_schedule():

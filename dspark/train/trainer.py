@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,20 @@ from dspark.models.target import TargetModel
 
 STATE = "train_state.pt"
 
+
+
+def save_shared(path: Path, array: np.ndarray) -> None:
+    """Write a file of a data cache that other runs may be writing at the same moment (the DSpark run and its
+    DFlash ablation share one): each writer has its own temporary file, and whichever rename lands last leaves
+    the same content."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 @dataclass
 class TrainConfig:
@@ -177,9 +192,7 @@ class Trainer:
                 lse = torch.from_numpy(np.load(path)).to(self.device)
             else:
                 lse = torch.logsumexp(self.target.logits(hidden_t).float(), dim=-1)
-                tmp = path.with_name(path.name + ".tmp.npy")
-                np.save(tmp, lse.cpu().numpy())
-                tmp.replace(path)
+                save_shared(path, lse.cpu().numpy())
             self._lse[s.index] = lse
         head = self.target.lm_head
         bias = None if head.bias is None else head.bias[self.vocab_ids]
