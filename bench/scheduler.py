@@ -25,14 +25,15 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for policy in report["policies"]:
+    for i, policy in enumerate(report["policies"]):
         rows = [r for r in report["runs"] if r["policy"] == policy]
         xs = [r["concurrency"] for r in rows]
         style = "-s" if policy.endswith("+gate") else "-o" if policy in ("schedule", "topk") else "--."
-        axes[0].plot(xs, [r["tokens_per_s"] for r in rows], style, label=policy)
-        axes[1].plot(xs, [r["per_request_tokens_per_s"] for r in rows], style, label=policy)
+        color = f"C{i % 10}"  # one color per policy in every panel (the legend is drawn in the first only)
+        axes[0].plot(xs, [r["tokens_per_s"] for r in rows], style, color=color, label=policy)
+        axes[1].plot(xs, [r["per_request_tokens_per_s"] for r in rows], style, color=color, label=policy)
         if policy != "ar":
-            axes[2].plot(xs, [r["mean_verify_budget"] for r in rows], style, label=policy)
+            axes[2].plot(xs, [r["mean_verify_budget"] for r in rows], style, color=color, label=policy)
     for ax, title in zip(axes, ("aggregate tokens/s", "per-request tokens/s", "drafts verified / request / round")):
         ax.set_title(title)
         ax.set_xlabel("concurrent requests R")
