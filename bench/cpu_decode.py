@@ -5,6 +5,7 @@ DSpark on other bundles of the same pair (e.g. `--extra heads-q8=BUNDLE_Q8` afte
 
   python bench/cpu_decode.py --bundle BUNDLE [--extra NAME=BUNDLE] [--per-domain 2] [--max-new-tokens 128]
 
+The ONNX Runtime methods take turns prompt by prompt (drift of a shared VM's speed hits them alike).
 Writes JSON (default bench/results/cpu_decode.json): tokens/s per method (median over prompts and overall),
 tau, position-wise acceptance, time split per round (draft / heads / verify / host), and the verifier's cost of an
 8-position step relative to a 1-position step.
@@ -19,22 +20,28 @@ import numpy as np
 from common import dev_rows, machine, position_acceptance, write_json
 
 
-def run_ort(rt, prompts, max_new, ar, policy=None):
-    per_prompt, results, times = [], [], []
+def decode_one(rt, prompt, max_new, ar=False, policy=None):
+    dec = rt.decoder([prompt], max_new_tokens=max_new, ar=ar, policy=policy)
+    for _ in dec:
+        pass
+    res = dec.results[0]
+    decode_s = dec.times.total - dec.times.prefill
+    return (len(res.token_ids) / decode_s if decode_s > 0 else 0.0), res, dec.times
+
+
+def run_interleaved(methods: dict, prompts, max_new) -> dict:
+    """{name: (rates, results, times)}. Every method decodes a prompt before any decodes the next, so drift of a
+    shared VM's speed during the run hits all methods alike and their ratios hold."""
+    runs = {name: ([], [], []) for name in methods}
     for p in prompts:
-        dec = rt.decoder([p], max_new_tokens=max_new, ar=ar, policy=policy)
-        for _ in dec:
-            pass
-        res = dec.results[0]
-        decode_s = dec.times.total - dec.times.prefill
-        per_prompt.append(len(res.token_ids) / decode_s if decode_s > 0 else 0.0)
-        results.append(res)
-        times.append(dec.times)
-    return per_prompt, results, times
+        for name, (rt, kw) in methods.items():
+            for acc, value in zip(runs[name], decode_one(rt, p, max_new, **kw)):
+                acc.append(value)
+    return runs
 
 
-def dspark_method(rt, prompts, max_new, ar_res, policy=None) -> dict:
-    rates, res, times = run_ort(rt, prompts, max_new, ar=False, policy=policy)
+def dspark_method(rt, run, ar_res) -> dict:
+    rates, res, times = run
     tot = {k: sum(getattr(t, k) for t in times) for k in ("draft", "heads", "verify", "total", "prefill")}
     rounds = sum(t.rounds for t in times)
     host = tot["total"] - tot["prefill"] - tot["draft"] - tot["heads"] - tot["verify"]
@@ -105,26 +112,25 @@ def main():
     report = {"machine": machine(), "bundle": args.bundle, "manifest_sources": rt.manifest.sources,
               "prompts": [{"domain": r.get("domain"), "source": r.get("source")} for r in rows],
               "max_new_tokens": args.max_new_tokens, "methods": {}}
-    ar_rates, ar_res, ar_times = run_ort(rt, ids, args.max_new_tokens, ar=True)
-    report["methods"]["ort_ar_fp32"] = {
-        "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
-        "tokens": int(sum(len(r.token_ids) for r in ar_res))}
-    report["methods"]["ort_dspark_fp32"] = dspark_method(rt, ids, args.max_new_tokens, ar_res)
+    methods = {"ort_ar_fp32": (rt, {"ar": True}), "ort_dspark_fp32": (rt, {})}
     if rt.manifest.calibration.get("sps_table"):
-        report["methods"]["ort_dspark_fp32_scheduled"] = dspark_method(
-            rt, ids, args.max_new_tokens, ar_res, VerifyPolicy("schedule"))
-        report.setdefault("ratios", {})["dspark_scheduled_over_ort_ar"] = (
-            report["methods"]["ort_dspark_fp32_scheduled"]["tokens_per_s_median"]
-            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
+        methods["ort_dspark_fp32_scheduled"] = (rt, {"policy": VerifyPolicy("schedule")})
     for spec in args.extra:
         name, _, path = spec.partition("=")
         other = Runtime(path)
         if other.manifest.sources.get("draft") != rt.manifest.sources.get("draft") and not args.allow_other_draft:
             raise SystemExit(f"--extra {spec}: a different draft than {args.bundle} (pass --allow-other-draft)")
-        report["methods"][f"ort_dspark_{name}"] = dspark_method(other, ids, args.max_new_tokens, ar_res)
-        report.setdefault("ratios", {})[f"dspark_{name}_over_ort_ar"] = (
-            report["methods"][f"ort_dspark_{name}"]["tokens_per_s_median"]
-            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
+        methods[f"ort_dspark_{name}"] = (other, {})
+    runs = run_interleaved(methods, ids, args.max_new_tokens)
+    ar_rates, ar_res, _ = runs.pop("ort_ar_fp32")
+    report["methods"]["ort_ar_fp32"] = {
+        "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
+        "tokens": int(sum(len(r.token_ids) for r in ar_res))}
+    for name, run in runs.items():
+        report["methods"][name] = dspark_method(methods[name][0], run, ar_res)
+        ratio = name.replace("ort_dspark_fp32", "dspark").replace("ort_dspark_", "dspark_") + "_over_ort_ar"
+        report.setdefault("ratios", {})[ratio] = (report["methods"][name]["tokens_per_s_median"]
+                                                  / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     report["verify_cost"] = verify_cost_ratio(rt)
     if not args.skip_hf:
         hf_rates, hf_out = run_hf(args.target, ids, args.max_new_tokens)
@@ -134,8 +140,6 @@ def main():
                                                                   for h, a in zip(hf_out, ar_res)]}
         report.setdefault("ratios", {})["ort_ar_over_hf"] = (report["methods"]["ort_ar_fp32"]["tokens_per_s_median"]
                                                             / report["methods"]["hf_eager_greedy"]["tokens_per_s_median"])
-    report.setdefault("ratios", {})["dspark_over_ort_ar"] = (report["methods"]["ort_dspark_fp32"]["tokens_per_s_median"]
-                                                            / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     path = write_json(args.out, report)
     m = report["methods"]
     print(f"{'method':<28}{'tok/s (median)':>16}{'tau':>8}{'drafts verified':>17}")
