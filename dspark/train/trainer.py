@@ -22,7 +22,6 @@ from dspark.models.target import TargetModel
 STATE = "train_state.pt"
 
 
-
 def save_shared(path: Path, array: np.ndarray) -> None:
     """Write a file of a data cache that other runs may be writing at the same moment (the DSpark run and its
     DFlash ablation share one): each writer has its own temporary file, and whichever rename lands last leaves
@@ -35,6 +34,7 @@ def save_shared(path: Path, array: np.ndarray) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
 
 @dataclass
 class TrainConfig:
