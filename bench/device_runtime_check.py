@@ -24,31 +24,55 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def scatter_check(cuda, rng, trials: int = 60) -> dict:
+    """Random append tables, as the runtime issues them: split into waves of disjoint destinations and queued
+    through Device.flush (one index upload per flush; several flushes back to back, no sync between), against the
+    in-order reference. Also counts how often a single unsplit launch differs (rows written twice race)."""
     from dspark.plugins.scatter_ref import scatter_rows
-    from dspark.trt.stream import Device, Staging
+    from dspark.trt.stream import Device, Staging, _Appends
 
     dev = Device(cuda)
-    bad = 0
+    bad = unsplit_bad = overlapping = 0
     for _ in range(trials):
         p, bs, h, ts, bd, td, w = (int(rng.integers(1, k)) for k in (5, 5, 4, 9, 6, 40, 70))
-        n = int(rng.integers(1, bs + 1))
         src = rng.standard_normal((p, bs, h, ts, w)).astype(np.float32)
         dst = rng.standard_normal((p, bd, h, td, w)).astype(np.float32)
-        table = np.stack([rng.integers(0, bs, n), rng.integers(0, bd, n), rng.integers(-2, td, n),
-                          rng.integers(0, ts + 1, n)]).astype(np.int64)
-        s_ptr, d_ptr, i_ptr = dev.alloc(src.nbytes), dev.alloc(dst.nbytes), dev.alloc(table.nbytes)
+        tables = []
+        for _ in range(int(rng.integers(1, 4))):  # flushes in a row
+            n = int(rng.integers(1, bs + 1))
+            tables.append(np.stack([rng.integers(0, bs, n), rng.integers(0, bd, n), rng.integers(-2, td, n),
+                                    rng.integers(0, ts + 1, n)]).astype(np.int64))
+        s_ptr, d_ptr, i_ptr = dev.alloc(src.nbytes), dev.alloc(dst.nbytes), dev.alloc(tables[0].nbytes)
         stage = Staging(dev)
-        for ptr, arr in ((s_ptr, src), (d_ptr, dst), (i_ptr, table)):
+        for ptr, arr in ((s_ptr, src), (d_ptr, dst), (i_ptr, tables[0])):
             host_ptr, view = stage.view(0, arr.shape, arr.dtype)
             view[...] = arr
             cuda.copy(ptr, host_ptr, arr.nbytes, dev.compute)
             cuda.sync_stream(dev.compute)
-        cuda.scatter_rows(s_ptr, d_ptr, p, bs, h, ts, bd, td, w, i_ptr, n, int(table[3].max()), dev.compute)
+        # 1. the first table as one launch, as the runtime issued it before waves
+        n = tables[0].shape[1]
+        cuda.scatter_rows(s_ptr, d_ptr, p, bs, h, ts, bd, td, w, i_ptr, n, int(tables[0][3].max()), dev.compute)
         got = np.empty_like(dst)
         cuda.copy(got.ctypes.data, d_ptr, got.nbytes, dev.compute)
         cuda.sync_stream(dev.compute)
         want = dst.copy()
-        scatter_rows(src, want, *table)
+        scatter_rows(src, want, *tables[0])
+        unsplit_bad += not np.array_equal(got, want)
+        # 2. every table through the runtime's queue
+        cuda.copy(d_ptr, dst.ctypes.data, dst.nbytes, dev.compute)
+        cuda.sync_stream(dev.compute)
+        appends = _Appends(dev.lease(stage), d_ptr, p, bd, h, td, w)
+        source = dev.tensor(s_ptr, (p, 1, bs, h, ts, w))  # a K/V-shaped view: batch rows at 2, rows at 4
+        want = dst.copy()
+        for table in tables:
+            rows = [r for e in table.T for r in ((int(e[1]), k) for k in range(max(e[2], 0), e[2] + min(e[3], ts)))
+                    if 0 <= r[1] < td]
+            overlapping += len(rows) != len(set(rows))
+            for s, d, at, count in table.T:
+                appends.add(source, int(s), int(d), int(at), int(count))
+            dev.flush()
+            scatter_rows(src, want, *table)
+        cuda.copy(got.ctypes.data, d_ptr, got.nbytes, dev.compute)
+        cuda.sync_stream(dev.compute)
         bad += not np.array_equal(got, want)
         for ptr in (s_ptr, d_ptr, i_ptr):
             dev.free(ptr)
@@ -68,7 +92,8 @@ def scatter_check(cuda, rng, trials: int = 60) -> dict:
         cuda.copy(got.ctypes.data, d_ptr, got.nbytes, dev.compute)
         cuda.sync_stream(dev.compute)
         replay_ok &= bool(np.array_equal(got[:, 0], fresh[:, 1]))
-    return {"scatter_trials": trials, "scatter_mismatches": int(bad), "graph_replay_ok": replay_ok}
+    return {"scatter_trials": trials, "scatter_mismatches": int(bad), "tables_writing_a_row_twice": overlapping,
+            "unsplit_launch_mismatches": int(unsplit_bad), "graph_replay_ok": replay_ok}
 
 
 def overlap_check(cuda, megabytes: int = 64, steps: int = 20) -> dict:

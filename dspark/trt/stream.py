@@ -100,6 +100,12 @@ class Device:
         self.pinned_pool: dict[int, list[tuple[int, np.ndarray]]] = {}
         self.handles: dict[str, list[int]] = {"stream": [self.compute, self.copy], "event": [], "graph": []}
         weakref.finalize(self, _release_all, cuda, self.sizes, self.pinned, self.handles).atexit = False
+        # index tables of the appends: one upload per flush, pinned staging double-buffered by flush parity; a slot
+        # is rewritten only once the upload that last read it has run (two flushes can follow with no sync between)
+        self._index_stage = Staging(self)
+        self._index_uploaded = [self.event(), self.event()]
+        self._index_dev: tuple[int, int] = (0, 0)
+        self._flushes = 0
 
     def alloc(self, nbytes: int, zero: bool = False) -> int:
         nbytes = max(int(nbytes), 1)
@@ -172,9 +178,34 @@ class Device:
         return DeviceTensor(self.cuda, ptr, tuple(shape), np.dtype(dtype), self.compute)
 
     def flush(self) -> None:
-        """Issue every queued cache append on the compute stream, before an engine may overwrite its sources."""
-        while self.pending:
-            self.pending.pop().flush()
+        """Issue every queued cache append on the compute stream, before an engine may overwrite its sources:
+        one upload of all their index tables, then one row-scatter launch per (destination, source, wave)."""
+        if not self.pending:
+            return
+        launches = [launch for appends in self.pending for launch in appends.launches()]
+        self.pending = []
+        total = sum(len(wave) for _, _, wave in launches)
+        parity = self._flushes % 2
+        self._flushes += 1
+        self.cuda.sync_event(self._index_uploaded[parity])
+        host_ptr, table = self._index_stage.view(parity, (4 * total,), np.int64)
+        at = 0
+        for _, _, wave in launches:  # each launch reads its own [4, n] block: source row, destination row, offset, count
+            table[at:at + 4 * len(wave)] = np.array([entry[1:] for entry in wave], dtype=np.int64).T.reshape(-1)
+            at += 4 * len(wave)
+        ptr, size = self._index_dev
+        if table.nbytes > size:
+            if ptr:
+                self.free(ptr)
+            size = max(table.nbytes, 256)
+            ptr = self.alloc(size)
+            self._index_dev = (ptr, size)
+        self.cuda.copy(ptr, host_ptr, table.nbytes, self.compute)
+        self.cuda.record(self._index_uploaded[parity], self.compute)
+        at = 0
+        for appends, src, wave in launches:
+            appends.launch(src, wave, ptr + 8 * at)
+            at += 4 * len(wave)
 
 
 def _release_all(cuda, sizes: dict, pinned: dict, handles: dict) -> None:
@@ -370,46 +401,53 @@ class StreamGraph:
             raise DSparkError(f"TensorRT execution of the {self.name} engine failed")
 
 
+def disjoint_waves(entries: list) -> list[list]:
+    """Split (src, src_row, dst_row, at, count) appends into launches whose destination rows do not overlap.
+
+    One launch writes its rows in no defined order, so two entries that write the same destination row must go in
+    successive launches, in queue order (the later one wins, as in scatter_ref). Usually one wave."""
+    waves: list[list] = []
+    placed: list[tuple[int, int, int, int]] = []  # (dst_row, first, end, wave)
+    for entry in entries:
+        _, _, d, at, count = entry
+        lo, hi = max(at, 0), at + count
+        wave = 0
+        if hi > lo:  # an empty entry writes nothing and conflicts with nothing
+            wave = 1 + max((w for pd, plo, phi, w in placed if pd == d and plo < hi and lo < phi), default=-1)
+            placed.append((d, lo, hi, wave))
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(entry)
+    return waves
+
+
 class _Appends:
-    """Queued row-scatter launches into one destination, flushed before the next engine runs."""
+    """Queued row-scatter launches into one destination, issued by Device.flush before the next engine runs."""
 
     def __init__(self, memory: Lease, dst: int, planes: int, batch: int, heads: int, rows: int, width: int):
         self.memory, self.device, self.dst = memory, memory.device, dst
         self.planes, self.batch, self.heads, self.rows, self.width = planes, batch, heads, rows, width
         self.queue: list[tuple[DeviceTensor, int, int, int, int]] = []
-        self.index = Staging(memory)
-        self.index_dev: tuple[int, int] = (0, 0)
-        self.flushes = 0
 
     def add(self, src: DeviceTensor, src_row: int, dst_row: int, at: int, count: int) -> None:
         if not self.queue:
             self.device.pending.append(self)
         self.queue.append((src, src_row, dst_row, at, count))
 
-    def flush(self) -> None:
-        cuda, stream = self.device.cuda, self.device.compute
+    def launches(self) -> list[tuple["_Appends", DeviceTensor, list]]:
+        """Empties the queue: (self, source, entries) per source tensor and wave of disjoint destinations."""
         groups: dict[int, list] = {}
         for entry in self.queue:
             groups.setdefault(entry[0].ptr, []).append(entry)
         self.queue = []
-        for entries in groups.values():
-            src = entries[0][0]
-            # K/V [L, 2, B, Hkv, T, hd] or features [B, T, F]: (batch rows, rows per batch row)
-            src_batch, src_rows = (src.shape[2], src.shape[4]) if len(src.shape) == 6 else src.shape[:2]
-            n = len(entries)
-            host_ptr, table = self.index.view(self.flushes % 2, (4, n), np.int64)
-            self.flushes += 1
-            for k, (_, s, d, at, count) in enumerate(entries):
-                table[:, k] = (s, d, at, count)
-            ptr, size = self.index_dev
-            if table.nbytes > size:
-                if ptr:
-                    self.memory.give_back(ptr)
-                ptr = self.memory.alloc(max(table.nbytes, 256))
-                self.index_dev = (ptr, max(table.nbytes, 256))
-            cuda.copy(ptr, host_ptr, table.nbytes, stream)
-            cuda.scatter_rows(src.ptr, self.dst, self.planes, src_batch, self.heads, src_rows, self.batch, self.rows,
-                              self.width, ptr, n, int(table[3].max()), stream)
+        return [(self, entries[0][0], wave) for entries in groups.values() for wave in disjoint_waves(entries)]
+
+    def launch(self, src: DeviceTensor, wave: list, index: int) -> None:
+        # K/V [L, 2, B, Hkv, T, hd] or features [B, T, F]: (batch rows, rows per batch row)
+        src_batch, src_rows = (src.shape[2], src.shape[4]) if len(src.shape) == 6 else src.shape[:2]
+        self.device.cuda.scatter_rows(src.ptr, self.dst, self.planes, src_batch, self.heads, src_rows, self.batch,
+                                      self.rows, self.width, index, len(wave), max(e[4] for e in wave),
+                                      self.device.compute)
 
 
 class DeviceKV(CacheLengths):
