@@ -2,8 +2,8 @@
 
 Builds libdspark_kernels.so with nvcc, launches the kernel through its C entry point (ctypes, raw cupy device
 pointers) on random batches in all three modes and both layouts, compares verify_len and verify_mask with the
-numpy reference bit for bit, and times one launch per mode at batch 8, 64 and 256 (CUDA events, 200 launches;
-rank_only is top-K with a zero budget: the candidate ranking alone).
+numpy reference bit for bit, and times one launch per mode at batch 8, 64 and 256 (CUDA events over 200 launches,
+replayed from a CUDA graph and issued eagerly; rank_only is top-K with a zero budget: the candidate ranking alone).
 Writes device_kernel.json (or device_kernel_memcheck.json with --no-timing, the run under compute-sanitizer).
 """
 from __future__ import annotations
@@ -44,12 +44,12 @@ class Kernel:
         out = (cp.zeros(b, cp.int64), cp.zeros((b, bk), cp.uint8))
         return dev, out, len(sps)
 
-    def launch(self, dev, out, n_sps: int) -> int:
+    def launch(self, dev, out, n_sps: int, stream: int = 0) -> int:
         p = lambda a: ctypes.c_void_p(a.data.ptr)  # noqa: E731
         b, bk = out[1].shape
         return self.lib.dspark_confidence_truncate(p(dev[0]), p(dev[1]), p(dev[2]), ctypes.c_int(n_sps), p(dev[3]),
                                                    p(dev[4]), p(dev[5]), p(dev[6]), ctypes.c_int(b),
-                                                   ctypes.c_int(bk), p(out[0]), p(out[1]), ctypes.c_void_p(0))
+                                                   ctypes.c_int(bk), p(out[0]), p(out[1]), ctypes.c_void_p(stream))
 
 
 def random_case(rng, max_batch: int):
@@ -83,8 +83,12 @@ def agreement(kernel: Kernel, rng, trials: int) -> dict:
 
 
 def timing(kernel: Kernel, rng, launches: int = 200) -> dict:
+    """Microseconds a launch, two ways: `graph` replays `launches` launches captured in one CUDA graph (the kernel's
+    own time, as a captured decode step sees it); `eager` issues them one by one from Python (bound by the host's
+    ctypes call at small batches)."""
     cp = kernel.cp
-    result = {}
+    result: dict[str, dict] = {"graph": {}, "eager": {}}
+    stream = cp.cuda.Stream(non_blocking=True)
     for b in (8, 64, 256):
         bk = 7
         surv = np.cumprod(rng.random((b, bk)), axis=1).astype(np.float32)
@@ -94,18 +98,24 @@ def timing(kernel: Kernel, rng, launches: int = 200) -> dict:
                            (ref.TOPK, "rank_only")):  # top-K with a zero budget: the ranking without the walk
             dev, out, n = kernel.args(*case[:3], np.array([0 if name == "rank_only" else b * 3]), case[4], mode,
                                       ref.PADDED)
-            if kernel.launch(dev, out, n) != 0:
+            if kernel.launch(dev, out, n, stream.ptr) != 0:
                 raise SystemExit(f"launch failed at batch {b}, mode {name}")
-            for _ in range(10):
-                kernel.launch(dev, out, n)
-            cp.cuda.runtime.deviceSynchronize()
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
+            stream.begin_capture()
             for _ in range(launches):
-                kernel.launch(dev, out, n)
-            end.record()
-            end.synchronize()
-            result[f"batch{b}_{name}_us"] = round(cp.cuda.get_elapsed_time(start, end) * 1000 / launches, 2)
+                kernel.launch(dev, out, n, stream.ptr)
+            graph = stream.end_capture()
+            for how in ("graph", "eager"):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                for timed in (False, True):  # a warm-up pass, then the timed one
+                    start.record(stream)
+                    if how == "graph":
+                        graph.launch(stream)
+                    else:
+                        for _ in range(launches):
+                            kernel.launch(dev, out, n, stream.ptr)
+                    end.record(stream)
+                    end.synchronize()
+                result[how][f"batch{b}_{name}_us"] = round(cp.cuda.get_elapsed_time(start, end) * 1000 / launches, 2)
     return result
 
 

@@ -5,15 +5,29 @@
 //   mode [1] i64 (0 static, 1 Algorithm 1 with early stop, 2 top-K), layout [1] i64 (0 flat, 1 padded)
 //   -> verify_len [B] i64, verify_mask [B, Bk] bool (u8)
 // mode and layout stay on the device (read by the kernel), so a launch never syncs and is CUDA-graph capturable.
-// One thread block does the whole batch: B * Bk candidates are ranked in shared memory (ties: smaller flat
-// index j * B + r first, as the reference), then one thread walks the ranked list with the reference's float32
-// arithmetic (tau_i = R + cumsum(a)_i), so all three implementations make identical decisions.
+// One thread block does the whole batch: the B * Bk candidates are sorted in shared memory by a bitonic network
+// (survival descending, ties: smaller flat index j * B + r first, as the reference). Top-K then admits the first K
+// in parallel; Algorithm 1 is walked by one thread with the reference's float32 arithmetic
+// (tau_i = R + cumsum(a)_i), so all three implementations make identical decisions.
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "confidence_truncate.h"
 
 namespace {
+
+constexpr int kMaxThreads = 1024;
+
+__host__ __device__ int sort_size(int m) {  // the bitonic network's width: the next power of two
+  int p = 1;
+  while (p < m) p <<= 1;
+  return p;
+}
+
+// a ranks before b: larger survival first, then the smaller flat index (candidates of one request in position order)
+__device__ __forceinline__ bool before(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
 
 __global__ void confidence_truncate_kernel(const float* __restrict__ survival, const float* __restrict__ threshold,
                                            const float* __restrict__ sps, int n_sps,
@@ -23,20 +37,16 @@ __global__ void confidence_truncate_kernel(const float* __restrict__ survival, c
                                            int64_t* __restrict__ verify_len, uint8_t* __restrict__ verify_mask) {
   extern __shared__ unsigned char smem[];
   const int m = batch * block;
+  const int p = sort_size(m);
   const int mode = static_cast<int>(mode_ptr[0]);
   const int layout = static_cast<int>(layout_ptr[0]);
-  float* value = reinterpret_cast<float*>(smem);          // [m] candidate survival (0 = not a candidate)
-  int* order = reinterpret_cast<int*>(value + m);         // [m] flat index by rank
-  int* lengths = order + m;                               // [batch]
+  float* value = reinterpret_cast<float*>(smem);  // [p] survival by rank (0: not a candidate, -1: padding)
+  int* index = reinterpret_cast<int*>(value + p);  // [p] flat index j * B + r by rank
+  int* lengths = index + p;                        // [batch]
 
-  for (int i = threadIdx.x; i < batch; i += blockDim.x) lengths[i] = 0;
-  for (int i = threadIdx.x; i < m; i += blockDim.x) {
-    const int r = i % batch, j = i / batch;
-    value[i] = active[r] ? survival[r * block + j] : 0.0f;
-  }
-  __syncthreads();
-
+  for (int r = threadIdx.x; r < batch; r += blockDim.x) lengths[r] = 0;
   if (mode == 0) {
+    __syncthreads();
     for (int r = threadIdx.x; r < batch; r += blockDim.x) {
       int len = 0;
       if (active[r]) {
@@ -45,36 +55,45 @@ __global__ void confidence_truncate_kernel(const float* __restrict__ survival, c
       lengths[r] = len;
     }
   } else {
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {  // rank = how many candidates come before i
-      const float v = value[i];
-      int rank = 0;
-      for (int k = 0; k < m; ++k) {
-        const float w = value[k];
-        rank += (w > v) || (w == v && k < i);
-      }
-      order[rank] = i;
+    for (int i = threadIdx.x; i < p; i += blockDim.x) {
+      const int r = i % batch, j = i / batch;
+      value[i] = i >= m ? -1.0f : active[r] ? survival[r * block + j] : 0.0f;
+      index[i] = i;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    for (int k = 2; k <= p; k <<= 1) {  // bitonic sort into rank order
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int t = threadIdx.x; t < p / 2; t += blockDim.x) {
+          const int a = 2 * t - (t & (j - 1)), b = a + j;
+          const bool forward = (a & k) == 0;  // this run ends in rank order, the other in reverse
+          const float va = value[a], vb = value[b];
+          const int ia = index[a], ib = index[b];
+          if (before(vb, ib, va, ia) == forward) {
+            value[a] = vb, value[b] = va;
+            index[a] = ib, index[b] = ia;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    if (mode == 2) {  // the first K candidates; a request's admitted positions form a prefix, so the longest wins
+      const int64_t k_budget = budget[0];
+      const int admit = k_budget < m ? static_cast<int>(k_budget) : m;
+      for (int i = threadIdx.x; i < admit; i += blockDim.x) {
+        if (value[i] > 0.0f) atomicMax(&lengths[index[i] % batch], index[i] / batch + 1);
+      }
+    } else if (threadIdx.x == 0) {
       int n_live = 0;
       for (int r = 0; r < batch; ++r) n_live += active[r] ? 1 : 0;
-      if (mode == 2) {
-        const int64_t k_budget = budget[0];
-        for (int i = 0; i < m && i < k_budget; ++i) {
-          const int idx = order[i];
-          if (!(value[idx] > 0.0f)) break;
-          lengths[idx % batch] = idx / batch + 1;
-        }
-      } else if (n_live > 0) {
+      if (n_live > 0) {
         const float base_sps = sps[(n_live < n_sps ? n_live : n_sps) - 1];
         float best = static_cast<float>(n_live) * base_sps;
         float cumsum = 0.0f;
         int widest = 0;
         for (int i = 0; i < m; ++i) {
-          const int idx = order[i];
-          const float a = value[idx];
+          const float a = value[i];
           if (!(a > 0.0f)) break;
-          const int j = idx / batch;
+          const int j = index[i] / batch;
           cumsum += a;
           widest = widest > j + 1 ? widest : j + 1;
           const int n = layout == 0 ? n_live + i + 1 : n_live * (1 + widest);
@@ -82,7 +101,7 @@ __global__ void confidence_truncate_kernel(const float* __restrict__ survival, c
           const float theta = (static_cast<float>(n_live) + cumsum) * sps[n - 1];
           if (!(theta > best)) break;  // the first non-improvement ends the search (keeps it lossless)
           best = theta;
-          lengths[idx % batch] = j + 1;
+          lengths[index[i] % batch] = j + 1;
         }
       }
     }
@@ -98,8 +117,8 @@ __global__ void confidence_truncate_kernel(const float* __restrict__ survival, c
 }  // namespace
 
 extern "C" size_t dspark_confidence_truncate_smem(int batch, int block) {
-  const size_t m = static_cast<size_t>(batch) * block;
-  return m * sizeof(float) + m * sizeof(int) + static_cast<size_t>(batch) * sizeof(int);
+  const size_t p = static_cast<size_t>(sort_size(batch * block));
+  return p * (sizeof(float) + sizeof(int)) + static_cast<size_t>(batch) * sizeof(int);
 }
 
 extern "C" int dspark_confidence_truncate(const float* survival, const float* threshold, const float* sps,
@@ -108,8 +127,9 @@ extern "C" int dspark_confidence_truncate(const float* survival, const float* th
                                           int64_t* verify_len, uint8_t* verify_mask, cudaStream_t stream) {
   if (batch <= 0 || block <= 0 || n_sps <= 0) return 1;
   const size_t smem = dspark_confidence_truncate_smem(batch, block);
-  if (smem > 48 * 1024) return 2;  // one block holds the batch: up to ~6000 candidates
-  const int threads = batch * block < 256 ? 128 : 256;
+  if (smem > 48 * 1024) return 2;  // one block holds the batch: up to 4096 candidates
+  const int half = sort_size(batch * block) / 2;
+  const int threads = half < 128 ? 128 : half > kMaxThreads ? kMaxThreads : half;
   confidence_truncate_kernel<<<1, threads, smem, stream>>>(survival, threshold, sps, n_sps, budget, active, mode,
                                                            layout, batch, block, verify_len, verify_mask);
   return cudaGetLastError() == cudaSuccess ? 0 : 3;
