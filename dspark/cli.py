@@ -308,6 +308,9 @@ def doctor_cmd(bundle, build, plugin):
 @click.option("--seed", type=int, help="Weights and anchor draws [default: 42; with --init-from: mixed with the "
               "starting weights, so a continued run does not replay the blocks its starting point saw].")
 @click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
+@click.option("--import-responses", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Merge responses generated elsewhere for the same PROMPTS and target (a responses.jsonl, e.g. "
+                   "from a GPU machine) into the cache; their taps are computed here, for the first --max-prompts.")
 @click.option("--init-from", help="Start from this trained drafter (folder or short name) instead of random weights; "
               "its architecture replaces --layers/--block-size/--markov-*/--intermediate-size/--confidence.")
 @click.option("--draft-vocab", default=0, type=click.IntRange(0),
@@ -315,7 +318,7 @@ def doctor_cmd(bundle, build, plugin):
                    "N` drafts (1.5-2x faster steps on CPU for SmolLM2); 0 = the whole vocabulary.")
 def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
               markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
-              seed, generate_only, init_from, draft_vocab):
+              seed, generate_only, import_responses, init_from, draft_vocab):
     """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
     from dspark.train.run import TrainRun
 
@@ -323,8 +326,8 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers, block_size=block_size,
              markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
              confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
-             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from,
-             draft_vocab=draft_vocab).run(generate_only=generate_only)
+             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from, draft_vocab=draft_vocab,
+             import_responses=import_responses).run(generate_only=generate_only)
 
 
 @main_cli.command("calibrate")

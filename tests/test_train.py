@@ -227,3 +227,42 @@ def test_init_from_continues_from_a_trained_drafter(tmp_path):
     assert run._anchor_seed(other) != seed
     assert dataclasses.replace(run, seed=7)._anchor_seed(warm) == 7
     assert dataclasses.replace(run, init_from=None)._anchor_seed(warm) == 42
+
+
+def test_imported_responses_get_the_taps_generation_records(tiny_bundle_v6, tmp_path):
+    """Responses made elsewhere (a GPU box, taps=False) are merged into a cache and their taps computed here in
+    prefill: the same features autoregressive generation records, for the first --max-prompts only."""
+    from dspark.errors import DSparkError
+    from dspark.tokenizer import ChatTokenizer
+    from dspark.train.data import compute_taps, generate_responses, import_responses
+    from dspark.train.trainer import load_samples
+
+    bundle = tiny_bundle_v6[3]
+    rows = [{"prompt": " ".join(f"w{(i * 3 + j) % 5}" for j in range(3 + i % 4)), "domain": "ab"[i % 2]}
+            for i in range(6)]
+    made, here = tmp_path / "gpu" / "responses.jsonl", tmp_path / "here" / "responses.jsonl"
+    generate_responses(bundle, rows, made, max_new_tokens=12, batch_size=3)
+    encode = ChatTokenizer(bundle).encode_chat
+    assert import_responses(made, here, rows, encode) == 6
+    assert import_responses(made, here, rows, encode) == 0  # already there
+    tap_ids = tuple(json.loads(made.read_text().splitlines()[0])["tap_ids"])
+    taps = load_samples(made.parent, tap_ids)
+    assert len(taps) > 3 and load_samples(here.parent, tap_ids) == []  # no taps yet: nothing to train on
+    assert compute_taps(bundle, here, rows, limit=4, batch_size=2, chunk=3) == 4
+    assert compute_taps(bundle, here, rows, limit=4) == 0
+    got = {s.index: s for s in load_samples(here.parent, tap_ids)}
+    assert sorted(got) == [0, 1, 2, 3]  # interleaved order a, b, a, b: the first four prompts
+    for s in taps:
+        if s.index in got:
+            want, have = np.load(s.taps_path).astype(np.float32), np.load(got[s.index].taps_path).astype(np.float32)
+            assert want.shape == have.shape == (len(s.tokens) - 1, want.shape[1])
+            np.testing.assert_allclose(have, want, rtol=1e-2, atol=1e-2)
+    # a file from other prompts, or not a responses file at all, is refused with one line
+    lines = made.read_text().splitlines()
+    moved = [json.dumps({**json.loads(line), "index": (json.loads(line)["index"] + 1) % 6}) for line in lines]
+    (tmp_path / "other.jsonl").write_text("\n".join(moved) + "\n")
+    with pytest.raises(DSparkError, match="does not answer prompt"):
+        import_responses(tmp_path / "other.jsonl", tmp_path / "x" / "responses.jsonl", rows, encode)
+    (tmp_path / "foreign.jsonl").write_text('{"id": 3, "text": "hello"}\n')
+    with pytest.raises(DSparkError, match="not a dspark responses file"):
+        import_responses(tmp_path / "foreign.jsonl", tmp_path / "x" / "responses.jsonl", rows, encode)

@@ -77,6 +77,66 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
     return read_responses(out_path)
 
 
+def import_responses(src: Path, out_path: Path, rows: list[dict], encode_chat) -> int:
+    """Merge responses generated elsewhere (e.g. on a GPU machine by generate_responses_torch with taps=False) into
+    the cache at out_path; prompts already there keep their own. Each one must be the answer to the same prompt
+    of the same prompts file with the same tokenizer. Returns how many were added (their taps: compute_taps)."""
+    done = {r["index"] for r in read_responses(out_path)}
+    try:
+        incoming = [json.loads(line) for line in Path(src).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DSparkError(f"cannot read responses from {src}: {e}") from None
+    added = []
+    for r in incoming:
+        if not isinstance(r, dict) or not {"index", "prompt_ids", "response_ids", "tap_ids"} <= r.keys():
+            raise DSparkError(f"{src} is not a dspark responses file (index, prompt_ids, response_ids, tap_ids)")
+        i = r["index"]
+        if not isinstance(i, int) or not 0 <= i < len(rows) or r["prompt_ids"] != encode_chat(rows[i]["prompt"]):
+            raise DSparkError(f"{src}: response {i} does not answer prompt {i} of this prompts file with this "
+                              f"target's tokenizer; import responses generated from the same prompts and target")
+        if i not in done:
+            done.add(i)
+            added.append(r)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a") as f:
+        for r in added:
+            f.write(json.dumps(r) + "\n")
+    return len(added)
+
+
+def compute_taps(bundle: Path, out_path: Path, rows: list[dict], limit: int | None = None, batch_size: int = 16,
+                 chunk: int = 64, threads: int | None = None, progress=None) -> int:
+    """Tap features for cached responses that have none (imported ones): the bundle's verifier runs over
+    prompt + response in prefill, which is what generation would have recorded. Only the first `limit` responses
+    in domain-interleaved prompt order are considered. Saved a chunk at a time, so a killed run keeps its work."""
+    import numpy as np
+
+    from dspark.runtime import Runtime
+    from dspark.train.trainer import save_shared
+
+    taps_dir = out_path.parent / "taps"
+    by_index = {r["index"]: r for r in read_responses(out_path)}
+    order = [i for i in interleave_domains(rows) if i in by_index][:limit]
+    todo = [i for i in order if not (taps_dir / f"{i}.npy").exists()]
+    if not todo:
+        return 0
+    taps_dir.mkdir(parents=True, exist_ok=True)
+    rt = Runtime(bundle, threads=threads)
+    t0, tokens = time.perf_counter(), 0
+    for start in range(0, len(todo), chunk):
+        part = todo[start:start + chunk]
+        seqs = [by_index[i]["prompt_ids"] + by_index[i]["response_ids"][:-1] for i in part]
+        dec = rt.decoder(seqs, max_new_tokens=1, ar=True, batch_size=batch_size, record_taps=True)
+        for _ in dec:
+            pass
+        for i, seq, res in zip(part, seqs, dec.results):
+            save_shared(taps_dir / f"{i}.npy", np.concatenate(res.taps)[:len(seq)])
+            tokens += len(seq)
+        if progress is not None:
+            progress(len(part), tokens / max(time.perf_counter() - t0, 1e-9))
+    return len(todo)
+
+
 def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
     """Refuse to train on the benchmark prompts."""
     if dev_path is None or not dev_path.exists():
@@ -89,9 +149,10 @@ def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
 
 def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: tuple[int, ...],
                              max_new_tokens: int = 256, batch_size: int = 64, limit: int | None = None,
-                             device: str = "cuda", progress=None) -> list[dict]:
+                             device: str = "cuda", progress=None, taps: bool = True) -> list[dict]:
     """The same cache as generate_responses, produced with HF generate on a GPU (batched, greedy), then one
-    forward pass per finished batch for the taps (HF hidden_states[l + 1]). For machines with CUDA."""
+    forward pass per finished response for the taps (HF hidden_states[l + 1]). For machines with CUDA.
+    taps=False writes the responses alone (their taps are computed where training runs: see compute_taps)."""
     import numpy as np
     import torch
 
@@ -124,10 +185,11 @@ def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: 
                 gen = out[j, width:].tolist()
                 cut = next((k for k, t in enumerate(gen) if t in stop), None)
                 response = gen[:cut + 1] if cut is not None else gen
-                seq = torch.tensor([prompts[j] + response[:-1]], device=device)
-                hs = model(seq, output_hidden_states=True).hidden_states
-                taps = torch.cat([hs[layer + 1][0] for layer in tap_ids], dim=-1)
-                np.save(taps_dir / f"{i}.npy", taps.to(torch.float16).cpu().numpy())
+                if taps:
+                    seq = torch.tensor([prompts[j] + response[:-1]], device=device)
+                    hs = model(seq, output_hidden_states=True).hidden_states
+                    feats = torch.cat([hs[layer + 1][0] for layer in tap_ids], dim=-1)
+                    np.save(taps_dir / f"{i}.npy", feats.to(torch.float16).cpu().numpy())
                 f.write(json.dumps({"index": i, "domain": rows[i].get("domain"), "prompt_ids": prompts[j],
                                     "response_ids": response, "stopped": cut is not None,
                                     "tap_ids": list(tap_ids)}) + "\n")

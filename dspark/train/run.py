@@ -40,6 +40,7 @@ class TrainRun:
     seed: int | None = None  # None: 42, or with init_from a seed derived from the starting weights
     init_from: str | None = None  # a DeepSpec checkpoint to start from (its architecture wins over the flags)
     draft_vocab: int = 0  # > 0: train the heads over the N most frequent response tokens (export with the same N)
+    import_responses: Path | None = None  # responses generated elsewhere (a GPU box) to merge into the cache
 
     def _say(self, msg: str) -> None:
         click.echo(f"[train {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -82,7 +83,7 @@ class TrainRun:
         from dspark.models.draft_vocab import rank_tokens, write_ranking
         from dspark.models.pair import Pair, random_drafter
         from dspark.models.target import load_target
-        from dspark.train.data import check_prompts, generate_responses
+        from dspark.train.data import check_prompts, compute_taps, generate_responses, import_responses
         from dspark.train.trainer import Trainer, TrainConfig, load_samples, split_samples
 
         rows = read_prompts(self.prompts)
@@ -106,9 +107,15 @@ class TrainRun:
 
         def progress(k, tps):
             done[0] += k
-            if done[0] % 25 == 0:
+            if done[0] // 25 != (done[0] - k) // 25:
                 self._say(f"{done[0]} responses, {tps:.0f} tokens/s")
 
+        if self.import_responses is not None:
+            from dspark.tokenizer import ChatTokenizer
+
+            added = import_responses(self.import_responses, data / "responses.jsonl", rows,
+                                     ChatTokenizer(loaded.folder).encode_chat)
+            self._say(f"imported {added} responses from {self.import_responses}")
         if torch.cuda.is_available() and self.bundle is None:  # GPU: HF generate is the fastest generator there
             from dspark.train.data import generate_responses_torch
 
@@ -118,6 +125,11 @@ class TrainRun:
             bundle = self._generation_bundle(Pair(loaded, target, drafter, "random"))
             generate_responses(bundle, rows, data / "responses.jsonl", self.max_new_tokens, self.gen_batch,
                                self.max_prompts, progress=progress)
+            done[0] = 0
+            computed = compute_taps(bundle, data / "responses.jsonl", rows, self.max_prompts, self.gen_batch,
+                                    progress=progress)
+            if computed:
+                self._say(f"computed the taps of {computed} imported responses")
         if generate_only:
             return data
         samples = load_samples(data, drafter.cfg.target_layer_ids)

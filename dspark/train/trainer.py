@@ -79,7 +79,9 @@ def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
         tokens = np.asarray(r["prompt_ids"] + r["response_ids"], dtype=np.int64)
         if len(r["response_ids"]) < 3:
             continue
-        out.append(Sample(r["index"], tokens, len(r["prompt_ids"]), data_dir / "taps" / f"{r['index']}.npy"))
+        taps = data_dir / "taps" / f"{r['index']}.npy"
+        if taps.exists():  # imported responses have none until compute_taps has run
+            out.append(Sample(r["index"], tokens, len(r["prompt_ids"]), taps))
     return out
 
 
