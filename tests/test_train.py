@@ -158,6 +158,10 @@ def test_split_is_stable_as_data_grows():
     _, held_big = split_samples(mk(400), 0.1)
     assert {s.index for s in held_small} <= {s.index for s in held_big}
     assert 5 < len(held_small) < 40
+    # data arrives in domain order: a sample's fate must not depend on which other indices are present
+    every_third = [s for s in mk(400) if s.index % 3 == 0]
+    _, held_sparse = split_samples(every_third, 0.1)
+    assert {s.index for s in held_sparse} == {s.index for s in held_big if s.index % 3 == 0}
 
 
 def test_metrics_against_known_values():

@@ -86,9 +86,9 @@ def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
 
 
 def split_samples(samples: list[Sample], holdout: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
-    """A fixed, seeded split by sample index (stable as more data arrives)."""
-    rng = np.random.default_rng(seed)
-    keys = {s.index: rng.random() for s in sorted(samples, key=lambda s: s.index)}
+    """A fixed, seeded split by sample index: each index draws its own key, so whether a prompt is held out never
+    depends on which other prompts have responses (data arrives in domain order, not index order)."""
+    keys = {s.index: np.random.default_rng([seed, s.index]).random() for s in samples}
     held = [s for s in samples if keys[s.index] < holdout]
     return [s for s in samples if keys[s.index] >= holdout], held
 
