@@ -5,7 +5,7 @@ DSpark on other bundles of the same pair (e.g. `--extra heads-q8=BUNDLE_Q8` afte
 
   python bench/cpu_decode.py --bundle BUNDLE [--extra NAME=BUNDLE] [--per-domain 2] [--max-new-tokens 128]
 
-The ONNX Runtime methods take turns prompt by prompt (drift of a shared VM's speed hits them alike).
+All methods, HF included, take turns prompt by prompt (drift of a shared VM's speed hits them alike).
 Writes JSON (default bench/results/cpu_decode.json): tokens/s per method (median over prompts and overall),
 tau, position-wise acceptance, time split per round (draft / heads / verify / host), and the verifier's cost of an
 8-position step relative to a 1-position step.
@@ -29,13 +29,15 @@ def decode_one(rt, prompt, max_new, ar=False, policy=None):
     return (len(res.token_ids) / decode_s if decode_s > 0 else 0.0), res, dec.times
 
 
-def run_interleaved(methods: dict, prompts, max_new) -> dict:
-    """{name: (rates, results, times)}. Every method decodes a prompt before any decodes the next, so drift of a
-    shared VM's speed during the run hits all methods alike and their ratios hold."""
-    runs = {name: ([], [], []) for name in methods}
+def run_interleaved(methods: dict, prompts) -> dict:
+    """{name: decode(prompt) -> tuple} -> {name: lists of each tuple element}. Every method decodes a prompt before
+    any decodes the next, so drift of a shared VM's speed during the run hits all methods alike and their ratios
+    hold."""
+    runs: dict[str, tuple[list, ...]] = {}
     for p in prompts:
-        for name, (rt, kw) in methods.items():
-            for acc, value in zip(runs[name], decode_one(rt, p, max_new, **kw)):
+        for name, decode in methods.items():
+            out = decode(p)
+            for acc, value in zip(runs.setdefault(name, tuple([] for _ in out)), out):
                 acc.append(value)
     return runs
 
@@ -71,23 +73,24 @@ def verify_cost_ratio(rt, reps: int = 15) -> dict:
             "ratio": out[block + 1] / out[1]}
 
 
-def run_hf(target: str, prompts_ids, max_new):
+def hf_decoder(target: str, max_new: int):
+    """HF transformers greedy generate (eager, KV cache) of one prompt -> (tokens/s, generated ids). Its time
+    includes the prompt's prefill, which the ONNX Runtime rates leave out (~1 step of 128)."""
     import torch
 
     from dspark.models.target import load_target
 
     hf = load_target(target).hf_model
-    rates, outs = [], []
-    for ids in prompts_ids:
+
+    def decode(ids):
         x = torch.tensor([ids])
         with torch.no_grad():
             t0 = time.perf_counter()
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False)
             d = time.perf_counter() - t0
-        n = out.shape[1] - len(ids)
-        rates.append(n / d)
-        outs.append(out[0, len(ids):].tolist())
-    return rates, outs
+        return (out.shape[1] - len(ids)) / d, out[0, len(ids):].tolist()
+
+    return decode
 
 
 def main():
@@ -112,28 +115,33 @@ def main():
     report = {"machine": machine(), "bundle": args.bundle, "manifest_sources": rt.manifest.sources,
               "prompts": [{"domain": r.get("domain"), "source": r.get("source")} for r in rows],
               "max_new_tokens": args.max_new_tokens, "methods": {}}
-    methods = {"ort_ar_fp32": (rt, {"ar": True}), "ort_dspark_fp32": (rt, {})}
+    ort = {"ort_ar_fp32": (rt, {"ar": True}), "ort_dspark_fp32": (rt, {})}
     if rt.manifest.calibration.get("sps_table"):
-        methods["ort_dspark_fp32_scheduled"] = (rt, {"policy": VerifyPolicy("schedule")})
+        ort["ort_dspark_fp32_scheduled"] = (rt, {"policy": VerifyPolicy("schedule")})
     for spec in args.extra:
         name, _, path = spec.partition("=")
         other = Runtime(path)
         if other.manifest.sources.get("draft") != rt.manifest.sources.get("draft") and not args.allow_other_draft:
             raise SystemExit(f"--extra {spec}: a different draft than {args.bundle} (pass --allow-other-draft)")
-        methods[f"ort_dspark_{name}"] = (other, {})
-    runs = run_interleaved(methods, ids, args.max_new_tokens)
+        ort[f"ort_dspark_{name}"] = (other, {})
+    max_new = args.max_new_tokens
+    methods = {name: (lambda p, rt=r, kw=kw: decode_one(rt, p, max_new, **kw)) for name, (r, kw) in ort.items()}
+    if not args.skip_hf:
+        methods["hf_eager_greedy"] = hf_decoder(args.target, max_new)
+    runs = run_interleaved(methods, ids)
+    hf_run = runs.pop("hf_eager_greedy", None)
     ar_rates, ar_res, _ = runs.pop("ort_ar_fp32")
     report["methods"]["ort_ar_fp32"] = {
         "tokens_per_s_median": float(np.median(ar_rates)), "per_prompt": ar_rates,
         "tokens": int(sum(len(r.token_ids) for r in ar_res))}
     for name, run in runs.items():
-        report["methods"][name] = dspark_method(methods[name][0], run, ar_res)
+        report["methods"][name] = dspark_method(ort[name][0], run, ar_res)
         ratio = name.replace("ort_dspark_fp32", "dspark").replace("ort_dspark_", "dspark_") + "_over_ort_ar"
         report.setdefault("ratios", {})[ratio] = (report["methods"][name]["tokens_per_s_median"]
                                                   / report["methods"]["ort_ar_fp32"]["tokens_per_s_median"])
     report["verify_cost"] = verify_cost_ratio(rt)
-    if not args.skip_hf:
-        hf_rates, hf_out = run_hf(args.target, ids, args.max_new_tokens)
+    if hf_run is not None:
+        hf_rates, hf_out = hf_run
         report["methods"]["hf_eager_greedy"] = {"tokens_per_s_median": float(np.median(hf_rates)),
                                                 "per_prompt": hf_rates,
                                                 "equals_ort_ar": [h == a.token_ids[:len(h)] or h[:len(a.token_ids)] == a.token_ids
