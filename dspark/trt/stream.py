@@ -191,7 +191,9 @@ class Device:
         host_ptr, table = self._index_stage.view(parity, (4 * total,), np.int64)
         at = 0
         for _, _, wave in launches:  # each launch reads its own [4, n] block: source row, destination row, offset, count
-            table[at:at + 4 * len(wave)] = np.array([entry[1:] for entry in wave], dtype=np.int64).T.reshape(-1)
+            block = table[at:at + 4 * len(wave)].reshape(4, len(wave))
+            for k, entry in enumerate(wave):
+                block[:, k] = entry[1:]
             at += 4 * len(wave)
         ptr, size = self._index_dev
         if table.nbytes > size:
@@ -425,7 +427,7 @@ class _Appends:
     """Queued row-scatter launches into one destination, issued by Device.flush before the next engine runs."""
 
     def __init__(self, memory: Lease, dst: int, planes: int, batch: int, heads: int, rows: int, width: int):
-        self.memory, self.device, self.dst = memory, memory.device, dst
+        self.device, self.dst = memory.device, dst
         self.planes, self.batch, self.heads, self.rows, self.width = planes, batch, heads, rows, width
         self.queue: list[tuple[DeviceTensor, int, int, int, int]] = []
 
