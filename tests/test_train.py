@@ -78,6 +78,33 @@ def test_resume_refuses_other_settings(setup, tmp_path):
         other.load_state()
 
 
+def test_balanced_domains_are_drawn_uniformly_and_resume_exactly(setup, tmp_path):
+    """Five of six sequences are math: drawn plainly, code comes ~1/6 of the time; balanced, ~1/2, each domain
+    walked in epochs (every pass over a pool sees each of its sequences once), and a resumed trainer continues
+    the same draws."""
+    import dataclasses
+
+    target, drafter, samples = setup
+    samples = [dataclasses.replace(s, domain="code" if s.index == 0 else "math") for s in samples]
+
+    def draws(cfg, out, n):
+        tr = Trainer(target, drafter, samples, tmp_path / out, cfg)
+        return tr, [tr.next_sample().index for _ in range(n)]
+
+    _, plain = draws(TrainConfig(seed=1), "plain", 600)
+    assert 0.1 < plain.count(0) / 600 < 0.25
+    tr, got = draws(TrainConfig(seed=1, balance_domains=True), "bal", 600)
+    assert 0.42 < got.count(0) / 600 < 0.58
+    math = [i for i in got if i != 0]
+    for k in range(0, len(math) - 5, 5):
+        assert sorted(math[k:k + 5]) == [1, 2, 3, 4, 5]
+    tr.save_state()
+    more = [tr.next_sample().index for _ in range(50)]
+    again = Trainer(target, drafter, samples, tmp_path / "bal", TrainConfig(seed=1, balance_domains=True))
+    assert again.load_state()
+    assert [again.next_sample().index for _ in range(50)] == more
+
+
 def test_draft_vocabulary_training_loss(setup, tmp_path):
     """Over the whole vocabulary (as a list) it is the full loss; over a shortlist only those logit rows and
     Markov-bias rows learn, labels outside carry no CE, and the target keeps its full normalizer."""

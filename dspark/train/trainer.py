@@ -53,6 +53,7 @@ class TrainConfig:
     save_every: int = 100
     holdout: float = 0.05  # fraction of samples kept out of training (calibration / validation)
     draft_vocab: int = 0  # > 0: train the heads on this many most frequent response tokens (as they will draft)
+    balance_domains: bool = False  # draw each sequence's domain uniformly, then a sequence of it
 
     @classmethod
     def dflash(cls, **kw) -> "TrainConfig":
@@ -66,6 +67,7 @@ class Sample:
     tokens: np.ndarray  # prompt + response ids
     prompt_len: int
     taps_path: Path  # [len(tokens) - 1, m*d] fp16 target features
+    domain: str = ""
 
 
 def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
@@ -81,7 +83,7 @@ def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
             continue
         taps = data_dir / "taps" / f"{r['index']}.npy"
         if taps.exists():  # imported responses have none until compute_taps has run
-            out.append(Sample(r["index"], tokens, len(r["prompt_ids"]), taps))
+            out.append(Sample(r["index"], tokens, len(r["prompt_ids"]), taps, r.get("domain", "")))
     return out
 
 
@@ -129,8 +131,12 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.rng = np.random.default_rng(cfg.seed)
-        self.order: list[int] = []
-        self.cursor = 0
+        pools: dict[str, list[int]] = {}
+        for i, s in enumerate(samples):
+            pools.setdefault(s.domain if cfg.balance_domains else "", []).append(i)
+        self.pools = {d: pools[d] for d in sorted(pools)}
+        self.orders: dict[str, list[int]] = {d: [] for d in self.pools}  # a permutation of each pool, walked
+        self.cursors: dict[str, int] = {d: 0 for d in self.pools}
         self.history: list[dict] = []
 
     # -- one sequence -----------------------------------------------------------------------------------------
@@ -209,11 +215,15 @@ class Trainer:
     # -- loop -------------------------------------------------------------------------------------------------
 
     def next_sample(self) -> Sample:
-        if self.cursor >= len(self.order):
-            self.order = self.rng.permutation(len(self.samples)).tolist()
-            self.cursor = 0
-        s = self.samples[self.order[self.cursor]]
-        self.cursor += 1
+        """Epochs over the samples in random order; with balance_domains, the domain is drawn uniformly first
+        (train.jsonl is ~90% math, the dev set is not), so small domains are replayed more often."""
+        names = list(self.pools)
+        d = names[int(self.rng.integers(len(names)))] if len(names) > 1 else names[0]
+        if self.cursors[d] >= len(self.orders[d]):
+            self.orders[d] = self.rng.permutation(len(self.pools[d])).tolist()
+            self.cursors[d] = 0
+        s = self.samples[self.pools[d][self.orders[d][self.cursors[d]]]]
+        self.cursors[d] += 1
         return s
 
     def train_step(self) -> dict:
@@ -243,7 +253,8 @@ class Trainer:
     def save_state(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "model": self.drafter.trainable_state_dict(), "opt": self.opt.state_dict(),
-                 "rng": json.dumps(self.rng.bit_generator.state), "order": self.order, "cursor": self.cursor,
+                 "rng": json.dumps(self.rng.bit_generator.state), "orders": json.dumps(self.orders),
+                 "cursors": json.dumps(self.cursors),
                  "history": json.dumps(self.history), "config": json.dumps(asdict(self.cfg))}
         tmp = self.out / (STATE + ".tmp")
         torch.save(state, tmp)
@@ -255,14 +266,22 @@ class Trainer:
             return False
         state = torch.load(path, weights_only=True, map_location=self.device)  # tensors, lists, strings only
         saved = json.loads(state["config"])
-        if saved != asdict(self.cfg):
-            diff = {k: (saved.get(k), v) for k, v in asdict(self.cfg).items() if saved.get(k) != v}
+        defaults = asdict(TrainConfig())  # a setting added after the state was written had its default then
+        saved = {k: saved.get(k, d) for k, d in defaults.items()}
+        diff = {k: (saved[k], v) for k, v in asdict(self.cfg).items() if saved[k] != v}
+        if diff:
             raise DSparkError(f"{path} was written with other settings {diff}; use a new --output or the same flags")
         self.drafter.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step = int(state["step"])
         self.rng.bit_generator.state = json.loads(state["rng"])
-        self.order, self.cursor = list(state["order"]), int(state["cursor"])
+        if "orders" in state:
+            self.orders, self.cursors = json.loads(state["orders"]), json.loads(state["cursors"])
+        else:  # written before domain pools: one pool
+            self.orders, self.cursors = {"": list(state["order"])}, {"": int(state["cursor"])}
+        if self.orders.keys() != self.pools.keys():
+            raise DSparkError(f"{path} was written for domains {sorted(self.orders)}, the data now has "
+                              f"{sorted(self.pools)}; use a new --output")
         self.history = json.loads(state["history"])
         return True
 
