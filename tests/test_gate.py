@@ -51,6 +51,24 @@ def test_gate_keeps_drafting_when_it_pays():
     assert gate.rates(2)[1] > gate.rates(2)[0]
 
 
+def test_gate_rescales_a_stale_table_by_measured_verifier_steps():
+    """The table was profiled on a machine 4x faster than now: against the live draft time (as long as a 1-token
+    step now) drafting looks costly, until the gate has timed a few real steps and sees the verifier at its
+    present speed."""
+    live = np.array([True])
+    table = np.array([100.0] * 16)  # 10 ms a step at any width up to 16 tokens (as profiled)
+    gate = DraftGate(table, block_size=4, batch=1)
+    gate.observe(np.full((1, 4), 0.6), live, seconds=0.04)
+    ar, spec = gate.rates(1)
+    assert spec < ar  # 40 ms of drafting against a 10 ms step
+    for tokens in (1, 5, 1):
+        gate.observe_verify(tokens, 0.04)  # the verifier now takes 40 ms
+    assert gate.scale == pytest.approx(4.0)
+    ar, spec = gate.rates(1)
+    assert ar == pytest.approx(1 / 0.04) and spec > ar
+    assert gate.should_draft(live)
+
+
 def test_parse_policy_takes_the_gate_suffix():
     from dspark.runtime.bench import parse_policy
 
@@ -87,6 +105,7 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
     ar = rt.generate(prompt, max_new_tokens=40, ar=True)[0].token_ids
     plain = rt.decoder(prompt, max_new_tokens=40)
     gated = rt.decoder(prompt, max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
+    gated.gate.live_scale = False  # keep the table's free verifier: measured steps would make it cost something
     for dec in (plain, gated):
         for _ in dec:
             pass

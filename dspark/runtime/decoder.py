@@ -288,7 +288,10 @@ class Decoder:
             accepted, nxt, taps, new_kv = self._verify(self.kv.feeds, self.kv.past_mask(), tokens, logit_index,
                                                        verify_len, self.temperature, accept, stack(noises, 1)[:, 0],
                                                        draft_probs)
-            self.times.verify += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.times.verify += elapsed
+            if self.gate is not None:
+                self.gate.observe_verify(b * t, elapsed)  # the positions this step computed
             self.times.rounds += 1
             self.times.round_tokens.append(b * t)
             self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0

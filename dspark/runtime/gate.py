@@ -6,6 +6,11 @@ verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The g
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
 refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning.
+
+The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
+live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
+also times the verifier steps it sees and rescales the table by the smoothed ratio of measured to tabled time
+(the table's shape is kept: Algorithm 1's choice of lengths does not depend on its scale, the gate's does).
 """
 from __future__ import annotations
 
@@ -30,13 +35,19 @@ class DraftGate:
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
+        self.scale = 1.0  # measured / tabled verifier step time, smoothed
+        self.live_scale = True
+        self._scaled = False
         self.skipped = 0
+
+    def step(self, tokens: int) -> float:
+        return self.scale * step_seconds(self.sps, tokens)
 
     def rates(self, live: int) -> tuple[float, float]:
         """Expected committed tokens/s of (an autoregressive step, the best common verification length)."""
         width = self.batch if self.layout == PADDED else live
-        ar = live / step_seconds(self.sps, width)
-        spec = max(live * (1 + self.gain[k]) / (self.draft_seconds + step_seconds(self.sps, width * (1 + k)))
+        ar = live / self.step(width)
+        spec = max(live * (1 + self.gain[k]) / (self.draft_seconds + self.step(width * (1 + k)))
                    for k in range(len(self.gain)))
         return ar, spec
 
@@ -64,3 +75,12 @@ class DraftGate:
             np.cumsum(self.survival, out=self.gain[1:])
         a = self.smoothing
         self.draft_seconds = seconds if self.draft_seconds is None else (1 - a) * self.draft_seconds + a * seconds
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """After any verifier step: its batch tokens (as the table counts them) and how long it took."""
+        if not self.live_scale:
+            return
+        ratio = seconds / step_seconds(self.sps, tokens)
+        a = self.smoothing
+        self.scale = ratio if not self._scaled else (1 - a) * self.scale + a * ratio
+        self._scaled = True
