@@ -58,8 +58,8 @@ def export_plain(hf, path: Path) -> None:
     past = [torch.randn(1, kvh, 16, hd) for _ in range(2 * layers)]
     seq, cap, full = (torch.export.Dim(n, max=m) for n, m in (("seq", 2048), ("past", 4096), ("total", 6144)))
     shapes = {"input_ids": {1: seq}, "attention_mask": {1: full}, "past": [{2: cap} for _ in past]}
-    program = torch.onnx.export(Plain().eval(), (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 18, dtype=torch.long),
-                                                 past), dynamo=True, dynamic_shapes=shapes, external_data=True,
+    example = (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 18, dtype=torch.long), past)
+    program = torch.onnx.export(Plain().eval(), example, dynamo=True, dynamic_shapes=shapes, external_data=True,
                                 input_names=["input_ids", "attention_mask"] + [f"past.{i}" for i in range(len(past))])
     program.optimize()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,21 +78,6 @@ def plain_feeds(session, t: int, past: int) -> dict:
     return feeds
 
 
-def verifier_feeds(session, t: int, past: int) -> dict:
-    dims = {"batch": 1, "seq": t, "rows": t, "draft_rows": max(t - 1, 1), "capacity": past + 8}
-    feeds = {}
-    for i in session.get_inputs():
-        shape = [dims.get(d, d) for d in i.shape]
-        feeds[i.name] = (np.zeros(shape, np.int64) if i.type == "tensor(int64)"
-                         else np.random.default_rng(0).random(shape, np.float32))
-    feeds["past_mask"][:, :past] = 1
-    feeds["tokens"][:] = 100
-    feeds["logit_index"][:] = np.arange(t)
-    feeds["verify_len"][:] = t - 1
-    feeds["temperature"][:] = 0.0
-    return feeds
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True)
@@ -107,7 +92,9 @@ def main() -> None:
     from transformers.cache_utils import DynamicCache
 
     from dspark.bundle import Manifest
+    from dspark.calibration.sps import step_feeds
     from dspark.models.target import load_target
+    from dspark.runtime.kv import KVCache
     from dspark.runtime.ort_backend import session_options
 
     bundle = Path(args.bundle)
@@ -124,6 +111,9 @@ def main() -> None:
                                     providers=["CPUExecutionProvider"])
     layers, kvh, hd = hf.config.num_hidden_layers, hf.config.num_key_value_heads, hf.config.head_dim
     torch.set_num_threads(2)
+    cache = KVCache(layers, 1, kvh, args.past + 8, hd)
+    cache.commit(0, args.past)
+    draft_probs = np.zeros((1, manifest.block_size, manifest.target["vocab_size"]), dtype=np.float32)
 
     def hf_step(t: int):
         past = [torch.randn(1, kvh, args.past, hd) for _ in range(2 * layers)]
@@ -144,7 +134,7 @@ def main() -> None:
     for t in (1, 8):
         methods[f"hf_eager_T{t}"] = hf_step(t)
         methods[f"plain_ort_T{t}"] = ort_step(plain, plain_feeds(plain, t, args.past))
-        methods[f"verifier_ort_T{t}"] = ort_step(verifier, verifier_feeds(verifier, t, args.past))
+        methods[f"verifier_ort_T{t}"] = ort_step(verifier, step_feeds(cache, t, draft_probs))
     for run in methods.values():
         for _ in range(3):
             run()

@@ -15,19 +15,25 @@ from dspark.bundle import Manifest
 clock = time.perf_counter
 
 
+def step_feeds(cache, n: int, draft_probs) -> dict:
+    """Verifier inputs for a greedy step over n new tokens (n - 1 drafts) of every request in `cache`, after its
+    committed lengths; `draft_probs` [R, block, vocab] on the cache's backend."""
+    r = len(cache.lengths)
+    return {"tokens": np.ones((r, n), np.int64), "past_mask": cache.past_mask(),
+            "logit_index": np.broadcast_to(np.arange(n, dtype=np.int64), (r, n)).copy(),
+            "verify_len": np.full(r, n - 1, np.int64), "temperature": np.zeros(r, np.float32),
+            "accept_noise": np.ones((r, n), np.float32), "sample_noise": np.ones(r, np.float32),
+            "draft_probs": draft_probs, **cache.feeds}
+
+
 def verifier_step_seconds(rt, cache, positions: list[int], reps: int, warmup: int = 1) -> dict[int, float]:
     """Median seconds of one verifier step over each count of new tokens in `positions`, for every request of
     `cache` (a KV cache of the runtime's backend whose committed lengths set the context), after `warmup` untimed
     rounds. The counts are timed in turn within each repetition, so drift of the machine's speed (frequent on
     shared VMs) hits them alike and their ratios hold."""
     man = rt.manifest
-    r = len(cache.lengths)
-    draft_probs = rt.backend.zeros((r, man.block_size, man.target["vocab_size"]), dtype=np.float32)
-    feeds = {n: {"tokens": np.ones((r, n), np.int64), "past_mask": cache.past_mask(),
-                 "logit_index": np.broadcast_to(np.arange(n, dtype=np.int64), (r, n)).copy(),
-                 "verify_len": np.full(r, n - 1, np.int64), "temperature": np.zeros(r, np.float32),
-                 "accept_noise": np.ones((r, n), np.float32), "sample_noise": np.ones(r, np.float32),
-                 "draft_probs": draft_probs, **cache.feeds} for n in positions}
+    draft_probs = rt.backend.zeros((len(cache.lengths), man.block_size, man.target["vocab_size"]), dtype=np.float32)
+    feeds = {n: step_feeds(cache, n, draft_probs) for n in positions}
     times: dict[int, list[float]] = {n: [] for n in positions}
     for rep in range(warmup + reps):
         for n in positions:

@@ -35,13 +35,15 @@ class DraftGate:
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
-        self.scale = 1.0  # measured / tabled verifier step time, smoothed
+        self.scale: float | None = None  # measured / tabled verifier step time, smoothed (None: none timed yet)
         self.live_scale = True
-        self._scaled = False
         self.skipped = 0
 
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
     def step(self, tokens: int) -> float:
-        return self.scale * step_seconds(self.sps, tokens)
+        return (1.0 if self.scale is None else self.scale) * step_seconds(self.sps, tokens)
 
     def rates(self, live: int) -> tuple[float, float]:
         """Expected committed tokens/s of (an autoregressive step, the best common verification length)."""
@@ -73,14 +75,10 @@ class DraftGate:
             first = self.draft_seconds is None
             self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean
             np.cumsum(self.survival, out=self.gain[1:])
-        a = self.smoothing
-        self.draft_seconds = seconds if self.draft_seconds is None else (1 - a) * self.draft_seconds + a * seconds
+        self.draft_seconds = self._smooth(self.draft_seconds, seconds)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """After any verifier step: its batch tokens (as the table counts them) and how long it took."""
         if not self.live_scale:
             return
-        ratio = seconds / step_seconds(self.sps, tokens)
-        a = self.smoothing
-        self.scale = ratio if not self._scaled else (1 - a) * self.scale + a * ratio
-        self._scaled = True
+        self.scale = self._smooth(self.scale, seconds / step_seconds(self.sps, tokens))

@@ -137,7 +137,8 @@ class TrainRun:
         if not samples:
             raise DSparkError(f"no usable responses in {data}")
         cfg_kw = dict(steps=self.steps, lr=self.lr, anchors=self.anchors, seqs_per_step=self.seqs_per_step,
-                      seed=self._anchor_seed(drafter), draft_vocab=self.draft_vocab, balance_domains=self.balance_domains)
+                      seed=self._anchor_seed(drafter), draft_vocab=self.draft_vocab,
+                      balance_domains=self.balance_domains)
         cfg = TrainConfig(**cfg_kw) if self.loss == "dspark" else TrainConfig.dflash(**cfg_kw)
         train, held = split_samples(samples, cfg.holdout)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -158,9 +159,10 @@ class TrainRun:
         trainer = Trainer(target, drafter, train, self.output, cfg, vocab_ids)
         if trainer.load_state():
             self._say(f"resumed at step {trainer.step}")
-        per_domain = ", ".join(f"{d} {len(p)}" for d, p in trainer.pools.items()) if cfg.balance_domains else ""
-        self._say(f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps"
-                  + (f"; domains drawn uniformly ({per_domain})" if per_domain else ""))
+        msg = f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps"
+        if cfg.balance_domains:
+            msg += "; domains drawn uniformly (" + ", ".join(f"{d} {len(p)}" for d, p in trainer.pools.items()) + ")"
+        self._say(msg)
         self.output.mkdir(parents=True, exist_ok=True)
         with open(self.output / "train_log.jsonl", "a") as log:
             history = trainer.run(log=log)
