@@ -319,9 +319,12 @@ def doctor_cmd(bundle, build, plugin):
 @click.option("--balance-domains", is_flag=True,
               help="Draw each training sequence's domain (the prompts' `domain` field) uniformly, then a sequence "
                    "of it: small domains are replayed more often (train.jsonl is ~90%% math).")
+@click.option("--precision", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp32"]),
+              help="The drafter's forward in bf16 autocast (fp32 weights and losses); auto = bf16 where it runs "
+                   "natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32.")
 def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
               markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
-              seed, generate_only, import_responses, init_from, draft_vocab, balance_domains):
+              seed, generate_only, import_responses, init_from, draft_vocab, balance_domains, precision):
     """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
     from dspark.train.run import TrainRun
 
@@ -330,7 +333,8 @@ def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens
              markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
              confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
              seqs_per_step=seqs_per_step, seed=seed, init_from=init_from, draft_vocab=draft_vocab,
-             import_responses=import_responses, balance_domains=balance_domains).run(generate_only=generate_only)
+             import_responses=import_responses, balance_domains=balance_domains,
+             precision=precision).run(generate_only=generate_only)
 
 
 @main_cli.command("calibrate")

@@ -35,14 +35,50 @@ def setup(tmp_path):
     return target, drafter, make_samples(tmp_path, target, drafter)
 
 
-def test_losses_fall_and_acceptance_rises(setup, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_losses_fall_and_acceptance_rises(setup, tmp_path, precision):
     target, drafter, samples = setup
     tr = Trainer(target, drafter, samples, tmp_path / "run", TrainConfig(steps=60, seqs_per_step=2, anchors=8,
-                                                                         lr=3e-3, save_every=1000))
+                                                                         lr=3e-3, save_every=1000,
+                                                                         precision=precision))
+    before = tr.evaluate(samples)
     hist = tr.run(progress=False)
     first, last = np.mean([h["loss"] for h in hist[:5]]), np.mean([h["loss"] for h in hist[-5:]])
     assert last < 0.7 * first
     assert np.mean([h["accept_at"][0] for h in hist[-5:]]) > np.mean([h["accept_at"][0] for h in hist[:5]]) + 0.1
+    assert tr.evaluate(samples)["accept_at"][0] > before["accept_at"][0] + 0.1
+
+
+def test_evaluate_is_repeatable_and_leaves_the_training_draws_alone(setup, tmp_path):
+    target, drafter, samples = setup
+    tr = Trainer(target, drafter, samples[:4], tmp_path / "e", TrainConfig(steps=1, seqs_per_step=1, anchors=6))
+    drawn = tr.rng.bit_generator.state
+    first, again = tr.evaluate(samples[4:]), tr.evaluate(samples[4:])
+    assert first == again and first["sequences"] == 2 and len(first["accept_at"]) == drafter.cfg.block_size
+    assert tr.rng.bit_generator.state == drawn
+    assert tr.evaluate(samples[4:], seed=1) != first  # other anchors
+
+
+def test_bf16_runs_the_drafter_in_bf16_and_keeps_fp32_weights(setup, tmp_path):
+    import copy
+
+    from dspark.errors import DSparkError
+
+    target, drafter, samples = setup
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        tr = Trainer(target, copy.deepcopy(drafter), samples, tmp_path / precision,
+                     TrainConfig(steps=1, seqs_per_step=1, anchors=6, seed=3, precision=precision))
+        seen = []
+        tr.drafter.layers[0].mlp.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        losses[precision] = tr.sequence_loss(samples[0])[0].item()
+        assert seen == [torch.bfloat16 if precision == "bf16" else torch.float32]
+        tr.train_step()
+        assert {p.dtype for p in tr.drafter.parameters()} == {torch.float32}
+    assert losses["bf16"] != losses["fp32"]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.03)
+    with pytest.raises(DSparkError, match="precision"):
+        Trainer(target, drafter, samples, tmp_path / "x", TrainConfig(precision="fp16"))
 
 
 def test_resume_is_exact(setup, tmp_path):

@@ -256,14 +256,16 @@ class DSparkDrafter(nn.Module):
     # -- teacher-forced heads (training) ----------------------------------------------------------------------
 
     def teacher_forced_heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor,
-                             vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             vocab_ids: torch.Tensor | None = None,
+                             head_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, Bk, d], prev_tokens [N, Bk] = [anchor, y_1..y_{Bk-1}] -> corrected logits [N, Bk, V],
-        confidence logits [N, Bk]. With vocab_ids [V'], logits over those tokens only ([N, Bk, V'])."""
+        confidence logits [N, Bk]. With vocab_ids [V'], logits over those tokens only ([N, Bk, V']); head_rows,
+        the frozen LM head's rows of vocab_ids, saves gathering them on every call."""
         w2 = None
         if vocab_ids is None:
             logits = self.lm_head(hidden)
         else:
-            logits = nn.functional.linear(hidden, self.lm_head.weight[vocab_ids])
+            logits = nn.functional.linear(hidden, self.lm_head.weight[vocab_ids] if head_rows is None else head_rows)
             if self.markov_head is not None:
                 w2 = self.markov_head.markov_w2.weight[vocab_ids]
         e = None

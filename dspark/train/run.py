@@ -42,6 +42,7 @@ class TrainRun:
     draft_vocab: int = 0  # > 0: train the heads over the N most frequent response tokens (export with the same N)
     import_responses: Path | None = None  # responses generated elsewhere (a GPU box) to merge into the cache
     balance_domains: bool = False
+    precision: str = "auto"  # auto: bf16 where the device runs it natively (AVX512-BF16/AMX CPU, CUDA), else fp32
 
     def _say(self, msg: str) -> None:
         click.echo(f"[train {time.strftime('%H:%M:%S')}] {msg}", err=True)
@@ -66,6 +67,13 @@ class TrainRun:
         for p in drafter.parameters():
             digest.update(p.detach().float().cpu().numpy().tobytes()[:4096])
         return DEFAULT_SEED ^ int.from_bytes(digest.digest()[:4], "little")
+
+    def _precision(self) -> str:
+        if self.precision != "auto":
+            return self.precision
+        from dspark.train.trainer import bf16_is_fast
+
+        return "bf16" if bf16_is_fast(torch.device("cuda" if torch.cuda.is_available() else "cpu")) else "fp32"
 
     def _generation_bundle(self, pair) -> Path:
         if self.bundle is not None:
@@ -138,7 +146,7 @@ class TrainRun:
             raise DSparkError(f"no usable responses in {data}")
         cfg_kw = dict(steps=self.steps, lr=self.lr, anchors=self.anchors, seqs_per_step=self.seqs_per_step,
                       seed=self._anchor_seed(drafter), draft_vocab=self.draft_vocab,
-                      balance_domains=self.balance_domains)
+                      balance_domains=self.balance_domains, precision=self._precision())
         cfg = TrainConfig(**cfg_kw) if self.loss == "dspark" else TrainConfig.dflash(**cfg_kw)
         train, held = split_samples(samples, cfg.holdout)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -159,19 +167,24 @@ class TrainRun:
         trainer = Trainer(target, drafter, train, self.output, cfg, vocab_ids)
         if trainer.load_state():
             self._say(f"resumed at step {trainer.step}")
-        msg = f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps"
+        msg = f"training on {len(train)} sequences ({len(held)} held out) for {cfg.steps} steps, {cfg.precision}"
         if cfg.balance_domains:
             msg += "; domains drawn uniformly (" + ", ".join(f"{d} {len(p)}" for d, p in trainer.pools.items()) + ")"
         self._say(msg)
         self.output.mkdir(parents=True, exist_ok=True)
         with open(self.output / "train_log.jsonl", "a") as log:
             history = trainer.run(log=log)
+        heldout = trainer.evaluate(held) if held else None
+        if heldout:
+            self._say(f"held-out sequences: teacher-forced acceptance by position "
+                      f"{', '.join(f'{a:.2f}' for a in heldout['accept_at'])}, tau~{heldout['tau_prob']:.2f}")
         ckpt = save_draft(drafter.cpu(), self.output / "checkpoint")
         write_ranking(ckpt, *ranking, drafter.cfg.vocab_size,
                       f"target responses to {len(train)} prompts of {self.prompts.name}")
         summary = {"checkpoint": str(ckpt), "sequences": len(train), "held_out": sorted(s.index for s in held),
                    "tokens": int(sum(len(s.tokens) - s.prompt_len for s in train)), "train_config": cfg.__dict__,
-                   "draft_config": drafter.cfg.to_dict(), "final": history[-1] if history else None}
+                   "draft_config": drafter.cfg.to_dict(), "final": history[-1] if history else None,
+                   "heldout": heldout}
         (self.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._say(f"wrote {ckpt}")
         return ckpt

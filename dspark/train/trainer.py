@@ -20,6 +20,19 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.target import TargetModel
 
 STATE = "train_state.pt"
+PRECISIONS = ("fp32", "bf16")
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively: a CUDA GPU that supports them, or a CPU with AVX512-BF16 or AMX (oneDNN
+    emulates bf16 on other CPUs, slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def save_shared(path: Path, array: np.ndarray) -> None:
@@ -54,6 +67,7 @@ class TrainConfig:
     holdout: float = 0.05  # fraction of samples kept out of training (calibration / validation)
     draft_vocab: int = 0  # > 0: train the heads on this many most frequent response tokens (as they will draft)
     balance_domains: bool = False  # draw each sequence's domain uniformly, then a sequence of it
+    precision: str = "fp32"  # "bf16": the drafter's forward under bf16 autocast (fp32 master weights, fp32 losses)
 
     @classmethod
     def dflash(cls, **kw) -> "TrainConfig":
@@ -109,6 +123,8 @@ class Trainer:
         """vocab_ids: the draft vocabulary of cfg.draft_vocab tokens (sorted ids)."""
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out_dir), cfg
         self.device = next(drafter.parameters()).device
+        if cfg.precision not in PRECISIONS:
+            raise DSparkError(f"precision {cfg.precision!r}: expected one of {', '.join(PRECISIONS)}")
         if (0 if vocab_ids is None else len(vocab_ids)) != cfg.draft_vocab:
             raise DSparkError(f"draft_vocab {cfg.draft_vocab} needs that many vocab_ids")
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long,
@@ -116,6 +132,11 @@ class Trainer:
         if self.vocab_ids is not None:  # full id -> position in the draft vocabulary (-1: outside)
             self.local = torch.full((drafter.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.local[self.vocab_ids] = torch.arange(len(vocab_ids), device=self.device)
+            # Both LM heads are frozen: gather their rows once (a gather per sequence was ~30% of a CPU step).
+            self.head_rows = drafter.lm_head.weight.detach()[self.vocab_ids].clone()
+            head = target.lm_head
+            self.target_rows = head.weight.detach()[self.vocab_ids].clone()
+            self.target_bias = None if head.bias is None else head.bias.detach()[self.vocab_ids].clone()
         self._lse: dict[int, torch.Tensor] = {}  # target log-normalizer per sample (draft-vocabulary training)
         self._head_tag = "" if vocab_ids is None else hashlib.sha256(
             target.lm_head.weight.detach().cpu().float().numpy().tobytes()).hexdigest()[:12]
@@ -141,7 +162,8 @@ class Trainer:
 
     # -- one sequence -----------------------------------------------------------------------------------------
 
-    def sequence_loss(self, s: Sample) -> tuple[torch.Tensor, dict]:
+    def sequence_loss(self, s: Sample, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, dict]:
+        """rng draws the anchors (default: the training stream)."""
         cfg, bk = self.cfg, self.drafter.cfg.block_size
         taps = torch.from_numpy(np.load(s.taps_path).astype(np.float32)).to(self.device)  # [T-1, m*d]
         tokens = torch.from_numpy(s.tokens).to(self.device)
@@ -149,19 +171,21 @@ class Trainer:
         # Anchors are response tokens followed by another response token (reference §6.2).
         cand = np.arange(s.prompt_len, t - 1)
         k = min(cfg.anchors, len(cand))
-        anchors = torch.from_numpy(np.sort(self.rng.choice(cand, size=k, replace=False))).to(self.device)
+        anchors = torch.from_numpy(np.sort((rng or self.rng).choice(cand, size=k, replace=False))).to(self.device)
         first = s.prompt_len - 1
         with torch.no_grad():
             hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
             target_probs = self._target_probs(s, hidden_t)  # rows = positions first..T-2
-        hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
         slot = torch.arange(bk, device=self.device)
         pos = anchors[:, None] + slot[None]  # position whose next token slot j predicts
         valid = (pos + 1 < t)
         pos_c = torch.clamp(pos, max=t - 2)
         labels = tokens[pos_c + 1]
         prev = tokens[torch.clamp(pos, max=t - 1)]  # [anchor, y_1 .. y_{Bk-1}], teacher forced
-        logits, conf = self.drafter.teacher_forced_heads(hidden, prev, self.vocab_ids)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=cfg.precision == "bf16"):
+            hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
+            logits, conf = self.drafter.teacher_forced_heads(
+                hidden, prev, self.vocab_ids, None if self.vocab_ids is None else self.head_rows)
         weights = valid.float() * torch.exp(-slot.float() / cfg.decay_gamma)[None]
         wsum = weights.sum().clamp(min=1e-6)
         ce_weights = weights
@@ -202,9 +226,7 @@ class Trainer:
                 lse = torch.logsumexp(self.target.logits(hidden_t).float(), dim=-1)
                 save_shared(path, lse.cpu().numpy())
             self._lse[s.index] = lse
-        head = self.target.lm_head
-        bias = None if head.bias is None else head.bias[self.vocab_ids]
-        rows = F.linear(hidden_t, head.weight[self.vocab_ids], bias).float()
+        rows = F.linear(hidden_t, self.target_rows, self.target_bias).float()
         return torch.exp(rows - lse[:, None])
 
     def _lse_path(self, s: Sample) -> Path:
@@ -247,6 +269,17 @@ class Trainer:
                "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
         self.history.append(out)
         return out
+
+    def evaluate(self, samples: list[Sample], seed: int = 0) -> dict:
+        """Loss and teacher-forced acceptance per block position on sequences not trained on (anchors drawn from
+        their own seeded stream, so two drafters evaluated on the same samples see the same blocks)."""
+        rng = np.random.default_rng(seed)
+        with torch.no_grad():
+            stats = [self.sequence_loss(s, rng)[1] for s in samples]
+        acc = np.nanmean([st["accept_at"] for st in stats], axis=0)
+        return {"sequences": len(samples), "loss": float(np.mean([st["loss"] for st in stats])),
+                "accept_at": [round(float(a), 4) for a in acc],
+                "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
 
     # -- checkpoint / resume ----------------------------------------------------------------------------------
 
