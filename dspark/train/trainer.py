@@ -117,6 +117,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def acceptance(stats: list[dict]) -> dict:
+    """Mean teacher-forced acceptance per block position over sequences, and the tau it implies."""
+    acc = np.nanmean([st["accept_at"] for st in stats], axis=0)
+    return {"accept_at": [round(float(a), 4) for a in acc],
+            "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
+
+
 class Trainer:
     def __init__(self, target: TargetModel, drafter: DSparkDrafter, samples: list[Sample], out_dir: Path,
                  cfg: TrainConfig, vocab_ids: np.ndarray | None = None):
@@ -129,6 +136,7 @@ class Trainer:
             raise DSparkError(f"draft_vocab {cfg.draft_vocab} needs that many vocab_ids")
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long,
                                                                          device=self.device)
+        self.head_rows = None
         if self.vocab_ids is not None:  # full id -> position in the draft vocabulary (-1: outside)
             self.local = torch.full((drafter.cfg.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.local[self.vocab_ids] = torch.arange(len(vocab_ids), device=self.device)
@@ -173,7 +181,8 @@ class Trainer:
         # Anchors are response tokens followed by another response token (reference §6.2).
         cand = np.arange(s.prompt_len, t - 1)
         k = min(cfg.anchors, len(cand))
-        anchors = torch.from_numpy(np.sort((rng or self.rng).choice(cand, size=k, replace=False))).to(self.device)
+        draw = self.rng if rng is None else rng
+        anchors = torch.from_numpy(np.sort(draw.choice(cand, size=k, replace=False))).to(self.device)
         first = s.prompt_len - 1
         with torch.no_grad():
             hidden_t = self.target.tail(taps[None, :, self.last_tap], self.tail_from)[0, first:]
@@ -186,8 +195,7 @@ class Trainer:
         prev = tokens[torch.clamp(pos, max=t - 1)]  # [anchor, y_1 .. y_{Bk-1}], teacher forced
         with torch.autocast(self.device.type, torch.bfloat16, enabled=cfg.precision == "bf16"):
             hidden = self.drafter.packed_blocks(taps, tokens, anchors)  # [A, Bk, d]
-            logits, conf = self.drafter.teacher_forced_heads(
-                hidden, prev, self.vocab_ids, None if self.vocab_ids is None else self.head_rows)
+            logits, conf = self.drafter.teacher_forced_heads(hidden, prev, self.vocab_ids, self.head_rows)
         weights = valid.float() * torch.exp(-slot.float() / cfg.decay_gamma)[None]
         wsum = weights.sum().clamp(min=1e-6)
         ce_weights = weights
@@ -263,12 +271,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).item()
         self.opt.step()
         self.step += 1
-        acc = np.nanmean([s["accept_at"] for s in stats], axis=0)
         out = {"step": self.step, "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm,
                "loss": float(np.mean([s["loss"] for s in stats])), "ce": float(np.mean([s["ce"] for s in stats])),
                "l1": float(np.mean([s["l1"] for s in stats])), "bce": float(np.mean([s["bce"] for s in stats])),
-               "accept_at": [round(float(a), 4) for a in acc],
-               "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
+               **acceptance(stats)}
         self.history.append(out)
         return out
 
@@ -278,10 +284,7 @@ class Trainer:
         rng = np.random.default_rng(seed)
         with torch.no_grad():
             stats = [self.sequence_loss(s, rng)[1] for s in samples]
-        acc = np.nanmean([st["accept_at"] for st in stats], axis=0)
-        return {"sequences": len(samples), "loss": float(np.mean([st["loss"] for st in stats])),
-                "accept_at": [round(float(a), 4) for a in acc],
-                "tau_prob": float(1 + np.sum(np.cumprod(np.nan_to_num(acc))))}
+        return {"sequences": len(samples), "loss": float(np.mean([st["loss"] for st in stats])), **acceptance(stats)}
 
     # -- checkpoint / resume ----------------------------------------------------------------------------------
 
