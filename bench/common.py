@@ -56,3 +56,28 @@ def write_json(path: str | Path, obj: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
     return path
+
+
+def training_inputs(target_name: str, data: str | Path, seed: int = 42, **drafter_kw):
+    """What the training benches start from, as `dspark train` builds it: the target, a random drafter over it, and
+    the response cache split into training and held-out samples (the trainer's seeded split)."""
+    from dspark.models.pair import random_drafter
+    from dspark.models.target import load_target
+    from dspark.train.trainer import TrainConfig, load_samples, split_samples
+
+    loaded = load_target(target_name)
+    drafter = random_drafter(loaded, seed=seed, **drafter_kw)
+    train, held = split_samples(load_samples(Path(data), drafter.cfg.target_layer_ids), TrainConfig().holdout)
+    return loaded, loaded.wrapper(drafter.cfg.target_layer_ids), drafter, train, held
+
+
+def draft_vocab_ids(loaded, drafter, samples, size: int) -> np.ndarray | None:
+    """The `size` most frequent response tokens of samples (plus the stop tokens), as `dspark train --draft-vocab`."""
+    if not size:
+        return None
+    from dspark.models.draft_vocab import rank_tokens, shortlist
+    from dspark.tokenizer import ChatTokenizer
+
+    vocab = drafter.cfg.vocab_size
+    ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in samples], vocab)
+    return shortlist(ranked, size, vocab, ChatTokenizer(loaded.folder).stop_ids)

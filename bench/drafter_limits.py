@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, write_json
+from common import draft_vocab_ids, machine, training_inputs, write_json
 
 BASE = dict(layers=2, markov_rank=48, block_size=7, data_fraction=1.0)
 CONFIGS = {
@@ -47,21 +47,14 @@ def train_one(args, name: str) -> dict:
     import numpy as np
     import torch
 
-    from dspark.models.draft_vocab import rank_tokens, shortlist
-    from dspark.models.pair import random_drafter
-    from dspark.models.target import load_target
-    from dspark.tokenizer import ChatTokenizer
-    from dspark.train.trainer import Trainer, TrainConfig, load_samples, split_samples
+    from dspark.train.trainer import Trainer, TrainConfig
 
     torch.set_num_threads(args.threads)
     setting = {**BASE, **CONFIGS[name]}
-    loaded = load_target(args.target)
-    drafter = random_drafter(loaded, seed=args.seed, num_layers=setting["layers"], block_size=setting["block_size"],
-                             markov_rank=setting["markov_rank"])
-    target = loaded.wrapper(drafter.cfg.target_layer_ids)
-    train, held = split_samples(load_samples(Path(args.data), drafter.cfg.target_layer_ids), TrainConfig().holdout)
-    ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size)  # one vocabulary
-    ids = shortlist(ranked, args.draft_vocab, drafter.cfg.vocab_size, ChatTokenizer(loaded.folder).stop_ids)
+    loaded, target, drafter, train, held = training_inputs(
+        args.target, args.data, seed=args.seed, num_layers=setting["layers"], block_size=setting["block_size"],
+        markov_rank=setting["markov_rank"])
+    ids = draft_vocab_ids(loaded, drafter, train, args.draft_vocab)  # from all of train: one vocabulary for every run
     used = train[:max(1, round(len(train) * setting["data_fraction"]))]  # the cache is in domain-interleaved order
     cfg = TrainConfig(steps=args.steps, lr=args.lr, anchors=args.anchors, seqs_per_step=args.seqs_per_step,
                       draft_vocab=args.draft_vocab, precision=args.precision, seed=args.seed, save_every=10 ** 9)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import machine, write_json
+from common import draft_vocab_ids, machine, training_inputs, write_json
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -66,22 +66,11 @@ def main():
 
     import torch
 
-    from dspark.models.draft_vocab import rank_tokens, shortlist
-    from dspark.models.pair import random_drafter
-    from dspark.models.target import load_target
-    from dspark.tokenizer import ChatTokenizer
-    from dspark.train.trainer import Trainer, TrainConfig, bf16_is_fast, load_samples, split_samples
+    from dspark.train.trainer import Trainer, TrainConfig, bf16_is_fast
 
-    loaded = load_target(args.target)
-    drafter = random_drafter(loaded, seed=42)
-    target = loaded.wrapper(drafter.cfg.target_layer_ids)
-    samples = load_samples(Path(args.data), drafter.cfg.target_layer_ids)
-    train, _ = split_samples(samples, TrainConfig().holdout)
+    loaded, target, drafter, train, _ = training_inputs(args.target, args.data)
     train = train[:args.sequences]
-    ids = None
-    if args.draft_vocab:
-        ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in train], drafter.cfg.vocab_size)
-        ids = shortlist(ranked, args.draft_vocab, drafter.cfg.vocab_size, ChatTokenizer(loaded.folder).stop_ids)
+    ids = draft_vocab_ids(loaded, drafter, train, args.draft_vocab)
     out = Path(args.out)
     trainers = {}
     for prec in PRECISIONS:
