@@ -24,9 +24,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dspark", "dspark.*"]),
-    package_data={"dspark": ["assets/**/*", "plugins/*.cu", "plugins/*.h", "plugins/*.cpp"]},
+    package_data={"dspark": ["assets/**/*", "ops/*.cu", "ops/*.h", "ops/trt_plugin/*"]},
     include_package_data=True,
     install_requires=RUNTIME,
     extras_require={"export": EXPORT, "trt": TRT, "dev": DEV, "all": EXPORT + DEV},
-    entry_points={"console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"]},
+    entry_points={
+        "console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"],
+        # backends of dspark.runtime, found by name (dspark.runtime.backend): the runtime never imports dspark.trt
+        "dspark.backends": ["onnxruntime = dspark.runtime.ort_backend:OrtBackend",
+                            "tensorrt = dspark.trt.backend:TrtBackend"],
+    },
 )

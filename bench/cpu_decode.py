@@ -62,10 +62,10 @@ def dspark_method(rt, run, ar_res) -> dict:
 def verify_cost_ratio(rt, reps: int = 15) -> dict:
     """Median time of a verifier step over 8 positions vs 1 position, same cache length (~200 positions)."""
     from dspark.calibration.sps import verifier_step_seconds
-    from dspark.runtime.kv import KVCache
+    from dspark.runtime.kv import HostKV
 
     t = rt.manifest.target
-    cache = KVCache(t["num_layers"], 1, t["num_kv_heads"], 256, t["head_dim"])
+    cache = HostKV(t["num_layers"], 1, t["num_kv_heads"], 256, t["head_dim"])
     cache.commit(0, 200)
     block = rt.manifest.block_size
     out = verifier_step_seconds(rt, cache, [1, block + 1], reps, warmup=3)

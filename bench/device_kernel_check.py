@@ -20,8 +20,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspark.plugins import truncate_ref as ref  # noqa: E402
-from dspark.plugins.build import build_kernel  # noqa: E402
+from dspark.ops.confidence_truncate import reference as ref  # noqa: E402
+from dspark.ops.kernels import build_kernel  # noqa: E402
 
 
 class Kernel:

@@ -27,7 +27,7 @@ def scatter_check(cuda, rng, trials: int = 60) -> dict:
     """Random append tables, as the runtime issues them: split into waves of disjoint destinations and queued
     through Device.flush (one index upload per flush; several flushes back to back, no sync between), against the
     in-order reference. Also counts how often a single unsplit launch differs (rows written twice race)."""
-    from dspark.plugins.scatter_ref import scatter_rows
+    from dspark.ops.scatter_rows.reference import scatter_rows
     from dspark.trt.stream import Device, Staging, _Appends
 
     dev = Device(cuda)
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="A tiny bundle (tests/tiny.py) for the end-to-end check.")
     ap.add_argument("--emulate", action="store_true", help="No GPU: run on tests/gpu_emulator.py.")
     args = ap.parse_args()
-    from dspark.plugins.build import build_kernel
+    from dspark.ops.kernels import build_kernel
 
     rng = np.random.default_rng(0)
     if args.emulate:

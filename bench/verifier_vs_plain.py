@@ -94,7 +94,7 @@ def main() -> None:
     from dspark.bundle import Manifest
     from dspark.calibration.sps import step_feeds
     from dspark.models.target import load_target
-    from dspark.runtime.kv import KVCache
+    from dspark.runtime.kv import HostKV
     from dspark.runtime.ort_backend import session_options
 
     bundle = Path(args.bundle)
@@ -111,7 +111,7 @@ def main() -> None:
                                     providers=["CPUExecutionProvider"])
     layers, kvh, hd = hf.config.num_hidden_layers, hf.config.num_key_value_heads, hf.config.head_dim
     torch.set_num_threads(2)
-    cache = KVCache(layers, 1, kvh, args.past + 8, hd)
+    cache = HostKV(layers, 1, kvh, args.past + 8, hd)
     cache.commit(0, args.past)
     draft_probs = np.zeros((1, manifest.block_size, manifest.target["vocab_size"]), dtype=np.float32)
 

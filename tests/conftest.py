@@ -7,32 +7,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "smollm2" in item.nodeid:
-            item.add_marker(pytest.mark.integration)
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: runs on the real SmolLM2-135M-Instruct target")
-
-
-DEV_CANDIDATES = [
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "prompts", "dev.jsonl"),
-    "/work/shared/data/prompts/dev.jsonl",
-]
-
-
-def dev_prompts(n: int | None = None, stride: int = 1):
-    """Dev prompts spread over the domains (every `stride`-th row)."""
-    import json
-
-    found = [p for p in [os.environ.get("DSPARK_DEV_PROMPTS", "")] + DEV_CANDIDATES if p and os.path.exists(p)]
-    if not found:
-        pytest.skip("dev prompts not found (set DSPARK_DEV_PROMPTS to shared/data/prompts/dev.jsonl)")
-    path = found[0]
-    rows = [json.loads(line)["prompt"] for line in open(path) if line.strip()][::stride]
-    return rows[:n] if n else rows
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +28,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_bundle_v6(tmp_path_factory):
     """A tiny random Llama pair (vocab 6, block 3) exported once per session: (hf, target, drafter, path)."""
-    from tiny import tiny_bundle
+    from support.tiny import tiny_bundle
 
     return tiny_bundle(tmp_path_factory.mktemp("tiny") / "bundle", family="llama", vocab=6, layers=2,
                        block_size=3, seed=11)

@@ -14,7 +14,7 @@ from torch import nn
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.sampling import prefix_survival, token_probs, verify
 from dspark.models.target import TargetModel
-from dspark.plugins.truncate_torch import confidence_truncate
+from dspark.ops.confidence_truncate.torch_op import confidence_truncate
 
 VERIFIER_INPUTS = ("tokens", "past_mask", "logit_index", "verify_len", "temperature", "accept_noise", "sample_noise",
                    "draft_probs")  # then past.{l}.key / past.{l}.value for every target layer

@@ -22,7 +22,7 @@ from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEA
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.passes import fold_weight_transposes, optimize_graph
 from dspark.models.pair import Pair
-from dspark.plugins.truncate_onnx import attach_functions
+from dspark.ops.confidence_truncate.onnx_function import attach_functions
 from dspark.tokenizer import ChatTokenizer
 
 EXTERNAL_DATA_BYTES = 64 << 20  # graphs with more weight than this keep it in <graph>.onnx.data

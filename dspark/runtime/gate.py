@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark.plugins.truncate_ref import PADDED
+from dspark.ops.confidence_truncate.reference import PADDED
 
 
 def step_seconds(sps: np.ndarray, tokens: int) -> float:

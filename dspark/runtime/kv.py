@@ -1,42 +1,13 @@
-"""Fixed-capacity KV cache owned by the host: graphs read it in place and return only new entries."""
+"""The host twins of the decode state (ONNX Runtime backend): a KV cache graphs read in place and the target features
+the draft has not consumed yet. The device twins are dspark.trt.state.DeviceKV and DeviceRows."""
 from __future__ import annotations
 
 import numpy as np
 
-from dspark.errors import DSparkError
+from dspark.runtime.backend import CacheLengths
 
 
-class CacheLengths:
-    """The host-side bookkeeping of a KV cache, wherever its entries live: the valid length of each request, the
-    [B, capacity] 0/1 mask of valid prefixes the graphs read, and the per-layer input names."""
-
-    holder = "the session holds"  # who fixed the capacity, for the overflow message
-    hint = ""
-
-    def __init__(self, layers: int, batch: int, capacity: int, what: str, prefix: str):
-        self.lengths = np.zeros(batch, dtype=np.int64)
-        self._mask = np.zeros((batch, capacity), dtype=np.int64)
-        self.capacity = capacity
-        self.what = what
-        self.names = [(f"{prefix}.{i}.{kind}", i, j) for i in range(layers) for j, kind in enumerate(("key", "value"))]
-
-    def check_room(self, b: int, count: int) -> None:
-        if self.lengths[b] + count > self.capacity:
-            raise DSparkError(f"context overflow: request {b} needs {int(self.lengths[b]) + count} {self.what} "
-                              f"positions, {self.holder} {self.capacity}; shorten the prompt or max_new_tokens"
-                              f"{self.hint}")
-
-    def commit(self, b: int, length: int) -> None:
-        """Set request b's valid length: growing commits written entries, shrinking rolls back."""
-        old = int(self.lengths[b])
-        if length > old:
-            self._mask[b, old:length] = 1
-        else:
-            self._mask[b, length:old] = 0
-        self.lengths[b] = length
-
-
-class KVCache(CacheLengths):
+class HostKV(CacheLengths):
     """buffer [L, 2, B, Hkv, capacity, hd]; lengths[b] = valid prefix of request b.
 
     Appending writes the new entries in place (O(new)); rollback is a length change (O(1)). Graphs take each
@@ -66,7 +37,7 @@ class KVCache(CacheLengths):
         self.buffer[:, :, slot, :, at:at + count] = new[:, :, row, :, :count]
 
 
-class ContextRows:
+class HostRows:
     """Target features the draft has not consumed yet, per slot: [batch, width, features] + a count per slot.
 
     A prefill's features replace a slot's rows, a verifier step's are appended (several steps pile up while the

@@ -9,7 +9,8 @@ import onnxruntime as ort
 
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.kv import ContextRows, KVCache
+from dspark.runtime.backend import Backend
+from dspark.runtime.kv import HostKV, HostRows
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -54,23 +55,29 @@ class OrtGraph:
         return dict(zip(self.outputs, binding.get_outputs()))
 
 
-class OrtBackend:
-    """The three graphs of a bundle on ONNX Runtime's CPU execution provider.
-
-    Besides the graphs, a backend says where the decode state lives (dspark.trt.stream.StreamingBackend is the
-    device twin): here caches, pending target features and graph hand-offs are host numpy arrays of any size.
-    """
+class OrtBackend(Backend):
+    """The three graphs of a bundle on ONNX Runtime's CPU execution provider; caches, pending target features and
+    graph hand-offs are host numpy arrays of any size (dspark.trt.backend.TrtBackend is the device twin)."""
 
     kind = "onnxruntime-cpu"
-    device_resident = False  # graph outputs come back as host arrays
-    fixed_capacity: int | None = None  # caches of any size
-    max_batch: int | None = None
-    kv_cache = KVCache
-    context_rows = ContextRows
-    zeros = staticmethod(np.zeros)
+    options = ("threads",)
 
     def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
         opts = session_options(threads)
         self.verifier = OrtGraph(folder, "verifier", manifest.graphs["verifier"], opts)
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
+
+    def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
+                 prefix: str = "past") -> HostKV:
+        return HostKV(layers, batch, kv_heads, capacity, head_dim, what, prefix)
+
+    def context_rows(self, batch: int, features: int) -> HostRows:
+        return HostRows(batch, features)
+
+    def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def close(self) -> None:
+        for name in ("verifier", "draft", "heads"):
+            self.__dict__.pop(name, None)

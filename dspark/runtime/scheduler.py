@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.errors import DSparkError
-from dspark.plugins.truncate_ref import PADDED, SCHEDULE, STATIC, TOPK, budget_from
+from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, TOPK, budget_from
 
 KINDS = ("all", "fixed", "static", "schedule", "topk")
 

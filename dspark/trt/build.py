@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.plugins.build import archs_for, build_kernel
+from dspark.ops.kernels import archs_for, build_kernel
 from dspark.trt.profiles import graph_profiles
 from dspark.trt.versions import TrtApi
 
@@ -36,7 +36,7 @@ def find_plugin_library(bundle: Path, explicit: Path | None = None) -> Path:
     for candidate in [explicit, bundle / "engines" / PLUGIN_LIB, os.environ.get("DSPARK_TRT_PLUGIN")]:
         if candidate and Path(candidate).exists():
             return Path(candidate)
-    raise DSparkError(f"the dspark TensorRT plugin library is not built: cmake -S dspark/plugins/trt -B build/plugin "
+    raise DSparkError(f"the dspark TensorRT plugin library is not built: cmake -S dspark/ops/trt_plugin -B build/plugin "
                       f"-DTENSORRT_ROOT=... && cmake --build build/plugin, then pass --plugin build/plugin/{PLUGIN_LIB}")
 
 
@@ -45,7 +45,7 @@ def build_copy(bundle: Path, spec_file: str, work: Path, precision: str, api: Tr
     import onnx_ir as ir
 
     from dspark.export.passes import cast_matmuls
-    from dspark.plugins.truncate_onnx import DOMAIN
+    from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 
     model = ir.load(str(bundle / spec_file))
     for key in [k for k in model.functions if k[0] == DOMAIN]:
@@ -152,7 +152,7 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
 def _dspark_nodes(path: Path) -> int:
     import onnx
 
-    from dspark.plugins.truncate_onnx import DOMAIN
+    from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 
     model = onnx.load(str(path), load_external_data=False)
     return sum(1 for n in model.graph.node if n.domain == DOMAIN)

@@ -94,7 +94,7 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) ->
     plugin_path = plugin or (bundle / "engines" / "libdspark_trt_plugin.so")
     rep.add("plugin library", "ok" if Path(plugin_path).exists() else "skipped",
             str(plugin_path) if Path(plugin_path).exists() else
-            "not built: cmake -S dspark/plugins/trt -B build/plugin -DTENSORRT_ROOT=... && cmake --build build/plugin")
+            "not built: cmake -S dspark/ops/trt_plugin -B build/plugin -DTENSORRT_ROOT=... && cmake --build build/plugin")
     engines = man.tensorrt
     if engines:
         stale = [g for g, e in engines.get("engines", {}).items() if e.get("onnx_sha256") != man.graphs[g].sha256]

@@ -31,7 +31,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.kv import CacheLengths
+from dspark.runtime.backend import CacheLengths
 from dspark.trt.buffers import HOST_VISIBLE
 
 # outputs the decode loop reads every step: downloaded to pinned memory after each run
@@ -407,7 +407,7 @@ def disjoint_waves(entries: list) -> list[list]:
     """Split (src, src_row, dst_row, at, count) appends into launches whose destination rows do not overlap.
 
     One launch writes its rows in no defined order, so two entries that write the same destination row must go in
-    successive launches, in queue order (the later one wins, as in scatter_ref). Usually one wave."""
+    successive launches, in queue order (the later one wins, as in dspark.ops.scatter_rows.reference). Usually one wave."""
     waves: list[list] = []
     placed: list[tuple[int, int, int, int]] = []  # (dst_row, first, end, wave)
     for entry in entries:
@@ -453,7 +453,7 @@ class _Appends:
 
 
 class DeviceKV(CacheLengths):
-    """Device twin of dspark.runtime.kv.KVCache: [L, 2, B, Hkv, capacity, hd] on the device, lengths and the mask
+    """Device twin of dspark.runtime.kv.HostKV: [L, 2, B, Hkv, capacity, hd] on the device, lengths and the mask
     on the host (the mask is uploaded when a commit changed it)."""
 
     holder = "the engines hold"
@@ -509,7 +509,7 @@ class DeviceKV(CacheLengths):
 
 
 class DeviceRows:
-    """Device twin of dspark.runtime.kv.ContextRows, at a fixed width (the draft input's shape stays static)."""
+    """Device twin of dspark.runtime.kv.HostRows, at a fixed width (the draft input's shape stays static)."""
 
     def __init__(self, device: Device, batch: int, features: int, width: int):
         self.device, self.batch, self.features, self.width = device, batch, features, width
@@ -631,7 +631,7 @@ class StreamingBackend:
 
 def _kernel_library(folder: Path, section: dict) -> Path:
     """The runtime kernels ship with the engines (dspark-export build); else they are built once with nvcc."""
-    from dspark.plugins.build import LIBRARY, archs_for, build_kernel
+    from dspark.ops.kernels import LIBRARY, archs_for, build_kernel
     from dspark.resolve import cache_dir
 
     shipped = folder / "engines" / LIBRARY

@@ -8,7 +8,7 @@ import torch
 
 from dspark.calibration.sts import Rounds, auc, ece, fit_sts, reliability
 from dspark.train.trainer import Sample, Trainer, TrainConfig, lr_at, save_shared, split_samples
-from tiny import tiny_pair
+from support.tiny import tiny_pair
 
 
 def make_samples(tmp_path, target, drafter, n=6, length=24, seed=0):
@@ -272,7 +272,7 @@ def test_init_from_continues_from_a_trained_drafter(tmp_path):
 
     from dspark.models.checkpoint import save_draft
     from dspark.train.run import TrainRun
-    from tiny import TinyLoaded, tiny_tokenizer_folder
+    from support.tiny import TinyLoaded, tiny_tokenizer_folder
 
     hf, target, drafter = tiny_pair("llama", vocab=16, block_size=3, markov_rank=4, draft_layers=2)
     drafter.cfg = dataclasses.replace(drafter.cfg, confidence_temperatures=(1.5, 2.0, 3.0))

@@ -8,7 +8,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.models.draft_vocab import FILE, rank_tokens, read_ranking, shortlist, write_ranking
-from stats import chi_square_pvalue, exact_joint
+from support.stats import chi_square_pvalue, exact_joint
 
 V = 6
 KEEP = [2, 4]  # ranking handed to the export; the stop token (if any) is added, the rest is left out
@@ -39,7 +39,7 @@ def test_ranking_round_trip_and_foreign_files(tmp_path):
 def shortlisted(tmp_path_factory):
     from dspark.export.onnx_export import export_bundle
     from dspark.models.pair import Pair
-    from tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
+    from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
 
     hf, target, drafter = tiny_pair("llama", vocab=V, layers=2, block_size=3, seed=11)
     root = tmp_path_factory.mktemp("shortlist")

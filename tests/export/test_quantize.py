@@ -10,7 +10,7 @@ from dspark.errors import DSparkError
 from dspark.export.check import check_bundle
 from dspark.export.quantize import quantize_graph
 from dspark.runtime import Runtime
-from stats import chi_square_pvalue, exact_joint
+from support.stats import chi_square_pvalue, exact_joint
 from test_bundle_tiny import PROMPT, SAMPLES, V, _bundle_samples, prompts
 
 

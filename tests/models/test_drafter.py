@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tiny import tiny_pair
+from support.tiny import tiny_pair
 
 
 def _mask(lengths, capacity):

@@ -1,11 +1,11 @@
 """dspark::ConfidenceTruncate on the torch side: the numpy reference in eager mode, and a single custom node
-during ONNX export (the export then attaches the op's ONNX function body, see dspark.plugins.truncate_onnx)."""
+during ONNX export (the export then attaches the op's ONNX function body, see dspark.ops.confidence_truncate.onnx_function)."""
 from __future__ import annotations
 
 import torch
 
-from dspark.plugins import truncate_ref
-from dspark.plugins.truncate_onnx import DOMAIN, OP_NAME, OP_VERSION
+from dspark.ops.confidence_truncate import reference
+from dspark.ops.confidence_truncate.onnx_function import DOMAIN, OP_NAME, OP_VERSION
 
 
 def confidence_truncate(survival: torch.Tensor, threshold: torch.Tensor, sps: torch.Tensor, budget: torch.Tensor,
@@ -16,7 +16,7 @@ def confidence_truncate(survival: torch.Tensor, threshold: torch.Tensor, sps: to
             f"{DOMAIN}::{OP_NAME}", (survival, threshold, sps, budget, active, mode, layout), {},
             dtypes=(torch.int64, torch.bool), shapes=(survival.shape[:1], survival.shape), version=OP_VERSION)
         return verify_len, verify_mask
-    lengths, mask = truncate_ref.confidence_truncate(
+    lengths, mask = reference.confidence_truncate(
         survival.detach().float().cpu().numpy(), threshold.cpu().numpy(), sps.cpu().numpy(), budget.cpu().numpy(),
         active.cpu().numpy(), int(mode.reshape(-1)[0]), int(layout.reshape(-1)[0]))
     return torch.from_numpy(lengths).to(survival.device), torch.from_numpy(mask).to(survival.device)

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark.models.sampling import verify
-from dspark.plugins import truncate_ref as ref
-from dspark.plugins.truncate_onnx import standalone_model
-from stats import chi_square_pvalue, exact_joint
+from dspark.ops.confidence_truncate import reference as ref
+from dspark.ops.confidence_truncate.onnx_function import standalone_model
+from support.stats import chi_square_pvalue, exact_joint
 
 SESSION = ort.InferenceSession(standalone_model().SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -143,7 +143,7 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90(tmp_path):
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not shutil.which(nvcc):
         pytest.skip("nvcc not installed")
-    from dspark.plugins.build import build_kernel
+    from dspark.ops.kernels import build_kernel
 
     lib = build_kernel(tmp_path, archs=("80", "90"), nvcc=nvcc)
     symbols = subprocess.run(["nm", "-D", str(lib)], capture_output=True, text=True).stdout

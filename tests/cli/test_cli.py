@@ -90,6 +90,7 @@ def test_unknown_option_values(bundle):
         assert code == 2 and "Traceback" not in out, out
 
 
+@pytest.mark.integration
 def test_export_refuses_existing_output_and_bad_draft(tmp_path, smollm2_loaded_once):
     out = tmp_path / "b"
     out.mkdir()
@@ -102,9 +103,10 @@ def test_export_refuses_existing_output_and_bad_draft(tmp_path, smollm2_loaded_o
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.integration
 def test_export_draft_that_does_not_fit(tmp_path, smollm2_loaded_once):
     from dspark.models.checkpoint import save_draft
-    from tiny import tiny_pair
+    from support.tiny import tiny_pair
 
     _, _, drafter = tiny_pair("llama", vocab=49152 // 512)
     save_draft(drafter, tmp_path / "wrong", include_shared=True)
@@ -116,7 +118,7 @@ def test_export_draft_that_does_not_fit(tmp_path, smollm2_loaded_once):
 def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch, tiny_bundle_v6):
     import dspark.export.onnx_export as ox
     from dspark.models.pair import Pair
-    from tiny import TinyLoaded
+    from support.tiny import TinyLoaded
 
     hf, target, drafter, _ = tiny_bundle_v6
     calls = []
@@ -152,7 +154,7 @@ def test_bench_scripts_compile_and_show_help():
     import os
     import py_compile
 
-    root = os.path.join(os.path.dirname(__file__), "..", "bench")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
     scripts = sorted(glob.glob(os.path.join(root, "*.py")))
     assert len(scripts) >= 4
     for path in scripts:

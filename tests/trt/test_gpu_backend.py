@@ -1,15 +1,15 @@
-"""The GPU backend (dspark.trt.stream) on CPU, through tests/gpu_emulator.py: device-resident caches, cache
+"""The GPU backend (dspark.trt.stream) on CPU, through dspark/testing/gpu_emulator.py: device-resident caches, cache
 appends by row scatter, bound-once buffers, pinned double-buffered host I/O, CUDA-graph replay, profile limits.
 The real CUDA/TensorRT run is bench/device_check.sh and `dspark doctor`; this checks our side of the contract."""
 import numpy as np
 import pytest
-from gpu_emulator import emulated_backend
+from dspark.testing.gpu_emulator import emulated_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.plugins.scatter_ref import scatter_rows
+from dspark.ops.scatter_rows.reference import scatter_rows
 from dspark.runtime.decoder import Decoder
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.scheduler import VerifyPolicy
@@ -185,7 +185,7 @@ def test_device_runtime_check_script_runs_emulated(bundle, tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "device_runtime_check.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "device_runtime_check.py"
     out = subprocess.run([sys.executable, str(script), "--emulate", "--bundle", str(bundle), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -5,8 +5,8 @@ import torch
 import dspark.models.reference as reference
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.models.sampling import PROB_FLOOR, sample
-from stats import chi_square_pvalue, exact_joint
-from tiny import tiny_pair
+from support.stats import chi_square_pvalue, exact_joint
+from support.tiny import tiny_pair
 
 V = 8
 

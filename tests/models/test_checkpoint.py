@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.errors import DSparkError
 from dspark.models.checkpoint import load_draft, save_draft
-from tiny import tiny_pair
+from support.tiny import tiny_pair
 
 LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",

@@ -1,6 +1,8 @@
 """The demo drafter shipped in the package: DeepSpec format, fits SmolLM2, small, calibrated, documented."""
 import json
 
+import pytest
+
 from dspark.models.checkpoint import read_draft_config
 from dspark.resolve import resolve_draft
 
@@ -20,6 +22,7 @@ def test_demo_drafter_is_deepspec_format_small_and_calibrated():
     assert "dspark train" in readme and "train.jsonl" in readme
 
 
+@pytest.mark.integration
 def test_demo_drafter_fits_smollm2(smollm2):
     from dspark.models.checkpoint import load_draft
 

@@ -6,9 +6,11 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import dev_prompts
+from support.prompts import dev_prompts
 from dspark.models.reference import generate_ar
 from dspark.runtime import Runtime
+
+pytestmark = pytest.mark.integration  # the real SmolLM2-135M-Instruct target
 
 N_PROMPTS, NEW_TOKENS = 10, 128
 

@@ -1,6 +1,6 @@
 // dspark::ConfidenceTruncate as a CUDA kernel (what the TensorRT plugin launches).
 //
-// Same contract as dspark/plugins/truncate_ref.py:
+// Same contract as dspark/ops/confidence_truncate/reference.py:
 //   survival [B, Bk] f32, threshold [B] f32, sps [N] f32, budget [1] i64, active [B] bool (u8),
 //   mode [1] i64 (0 static, 1 Algorithm 1 with early stop, 2 top-K), layout [1] i64 (0 flat, 1 padded)
 //   -> verify_len [B] i64, verify_mask [B, Bk] bool (u8)

@@ -1,8 +1,11 @@
 """Integration: the PyTorch reference on the real SmolLM2-135M-Instruct target."""
+import pytest
 import torch
 
-from conftest import dev_prompts
+from support.prompts import dev_prompts
 from dspark.models.reference import generate_dspark
+
+pytestmark = pytest.mark.integration  # the real SmolLM2-135M-Instruct target
 
 
 def test_taps_equal_hf_hidden_states(smollm2):

@@ -1,5 +1,5 @@
 // Host entry point of the row-scatter kernel the GPU runtime uses to append new K/V entries and target
-// features to device-resident caches (see scatter_rows.cu and dspark/plugins/scatter_ref.py).
+// features to device-resident caches (see scatter_rows.cu and dspark/ops/scatter_rows/reference.py).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>

@@ -1,6 +1,6 @@
 """The body of dspark::ConfidenceTruncate as an ONNX function (ONNX Runtime runs it; TensorRT swaps in the plugin).
 
-Same contract as dspark.plugins.truncate_ref: inputs survival [B, Bk], threshold [B], sps [N], budget [1],
+Same contract as dspark.ops.confidence_truncate.reference: inputs survival [B, Bk], threshold [B], sps [N], budget [1],
 active [B] (bool), mode [1], layout [1]; outputs verify_len [B] int64, verify_mask [B, Bk] bool.
 All three modes are computed and the requested one selected (they cost a few hundred elements).
 Candidate order: TopK over the position-major flattening (index j*B + r); ONNX's TopK puts the lower index

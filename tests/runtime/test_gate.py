@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from dspark.errors import DSparkError
-from dspark.plugins.truncate_ref import FLAT, PADDED
+from dspark.ops.confidence_truncate.reference import FLAT, PADDED
 from dspark.runtime.gate import DraftGate, step_seconds
 
 

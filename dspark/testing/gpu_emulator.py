@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from dspark.bundle import Manifest
-from dspark.plugins.scatter_ref import scatter_rows
+from dspark.ops.scatter_rows.reference import scatter_rows
 from dspark.trt.profiles import graph_profiles
 
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_,

@@ -15,9 +15,9 @@ from dspark.export.trt_lint import lint_bundle
 from dspark.models.pair import Pair
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import Runtime
-from stats import chi_square_pvalue, exact_joint
+from support.stats import chi_square_pvalue, exact_joint
 from test_reference import wrong_verify
-from tiny import TinyLoaded
+from support.tiny import TinyLoaded
 
 V = 6
 
@@ -144,9 +144,9 @@ def test_runtime_imports_neither_torch_nor_transformers(tiny):
 
 
 def test_kv_rollback_is_a_length_change():
-    from dspark.runtime.kv import KVCache
+    from dspark.runtime.kv import HostKV
 
-    kv = KVCache(2, 2, 1, 8, 4)
+    kv = HostKV(2, 2, 1, 8, 4)
     new = np.arange(2 * 2 * 2 * 1 * 3 * 4, dtype=np.float32).reshape(2, 2, 2, 1, 3, 4)
     kv.write(new, 1, 3)
     kv.commit(1, 3)

@@ -1,0 +1,1 @@
+"""dspark::ConfidenceTruncate: numpy reference, ONNX function body, torch op (kernel: ../confidence_truncate.cu)."""

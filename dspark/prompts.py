@@ -1,0 +1,45 @@
+"""Prompt files (JSONL rows with a 'prompt' string, or DeepSpec's 'turns' list) and where the dev prompts are."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+DEV_PROMPTS_ENV = "DSPARK_DEV_PROMPTS"
+# beside a checkout of this repository: <workspace>/shared/data/prompts/dev.jsonl next to <workspace>/<repo>/
+PROJECT_DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "dev.jsonl"
+
+
+def read_prompts(path: Path, limit: int | None = None, domain: str | None = None) -> list[dict]:
+    """JSONL rows with a 'prompt' (or DeepSpec 'turns') field."""
+    rows = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except FileNotFoundError:
+        raise DSparkError(f"prompt file {path} not found") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise DSparkError(f"{path}:{i} is not valid JSON") from None
+        if "prompt" not in row and row.get("turns"):
+            row["prompt"] = row["turns"][0]
+        if not isinstance(row.get("prompt"), str):
+            raise DSparkError(f"{path}:{i} has no 'prompt' string")
+        if domain is None or row.get("domain") == domain:
+            rows.append(row)
+    return rows[:limit] if limit else rows
+
+
+def dev_prompts_path() -> Path:
+    """$DSPARK_DEV_PROMPTS, else the project's shared dev prompts beside this checkout."""
+    env = os.environ.get(DEV_PROMPTS_ENV)
+    for candidate in ([Path(env)] if env else []) + [PROJECT_DEV_PROMPTS]:
+        if candidate.exists():
+            return candidate.resolve()
+    raise DSparkError(f"no dev prompts found: pass --prompts FILE (JSONL with a 'prompt' field) or set "
+                      f"{DEV_PROMPTS_ENV}")

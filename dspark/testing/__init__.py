@@ -1,0 +1,1 @@
+"""Test support shipped with the package: an in-process emulation of the CUDA runtime and TensorRT engines."""
