@@ -16,11 +16,11 @@ from common import dev_rows, machine, position_acceptance, write_json
 
 
 def evaluate(path: str, rows: list[dict], max_new: int, temperature: float, batch: int, seed: int) -> dict:
-    from dspark.runtime import Runtime
+    from dspark.runtime import DecodeOptions, Runtime
 
     rt = Runtime(path)
-    res = rt.generate([r["prompt"] for r in rows], max_new_tokens=max_new, temperature=temperature, seed=seed,
-                      batch_size=batch)
+    res = rt.generate([r["prompt"] for r in rows], DecodeOptions(max_new_tokens=max_new, temperature=temperature,
+                                                                 seed=seed, batch_size=batch))
     by_domain = defaultdict(list)
     for r, out in zip(rows, res):
         by_domain[r.get("domain", "all")].append(out)

@@ -21,7 +21,9 @@ from common import dev_rows, machine, position_acceptance, write_json
 
 
 def decode_one(rt, prompt, max_new, ar=False, policy=None):
-    dec = rt.decoder([prompt], max_new_tokens=max_new, ar=ar, policy=policy)
+    from dspark.runtime import DecodeOptions
+
+    dec = rt.decoder([prompt], DecodeOptions(max_new_tokens=max_new, policy="ar" if ar else (policy or "all")))
     for _ in dec:
         pass
     res = dec.results[0]

@@ -5,9 +5,9 @@
 #     then the same check on fewer batches under compute-sanitizer's memcheck (out-of-bounds and misaligned accesses
 #     the output comparison cannot see) -> device_kernel_memcheck.json + memcheck.log.
 #  2. bench/device_runtime_check.py: the GPU runtime's cuda-python machinery for real (row-scatter kernel, CUDA-graph
-#     replay, pinned double-buffered copy/compute overlap) and, given a tiny bundle, the streaming backend end to end
+#     replay, pinned double-buffered copy/compute overlap) and, given a tiny bundle, the TensorRT backend end to end
 #     -> device_runtime.json. Make the tiny bundle on a CPU machine first (the device needs no torch export):
-#       python -c "import sys; sys.path.insert(0, 'tests'); from tiny import tiny_bundle; \
+#       python -c "import sys; sys.path.insert(0, 'tests'); from support.tiny import tiny_bundle; \
 #                  tiny_bundle('build/tiny/bundle', family='llama', vocab=6, layers=2, block_size=3, seed=11)"
 #     and pass it: bench/device_check.sh build/tiny/bundle
 # Writes to ${OUT:-bench/results}; exits non-zero if any part fails, after running them all.

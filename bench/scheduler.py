@@ -55,7 +55,7 @@ def main():
     args = ap.parse_args()
 
     from dspark.runtime import Runtime
-    from dspark.runtime.bench import run_batch
+    from dspark.runtime.measure import run_batch
 
     rows = dev_rows(args.prompts, per_domain=max(1, args.limit // 3))[:args.limit]
     rt = Runtime(args.bundle)

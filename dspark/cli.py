@@ -12,11 +12,8 @@ from pathlib import Path
 import click
 
 from dspark.errors import DSparkError
-
-DEV_PROMPTS = [Path("../shared/data/prompts/dev.jsonl"),
-               Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "dev.jsonl",
-               Path("/work/shared/data/prompts/dev.jsonl")]
-
+from dspark.prompts import dev_prompts_path, read_prompts
+from dspark.train.options import TrainOptions, click_options
 
 class FriendlyGroup(click.Group):
     """Turns DSparkError and the usual file errors into one line on stderr and exit status 2."""
@@ -33,45 +30,6 @@ class FriendlyGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
-
-
-def read_prompts(path: Path, limit: int | None = None, domain: str | None = None) -> list[dict]:
-    """JSONL rows with a 'prompt' (or DeepSpec 'turns') field."""
-    rows = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
-    except FileNotFoundError:
-        raise DSparkError(f"prompt file {path} not found") from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise DSparkError(f"{path}:{i} is not valid JSON") from None
-        if "prompt" not in row and row.get("turns"):
-            row["prompt"] = row["turns"][0]
-        if not isinstance(row.get("prompt"), str):
-            raise DSparkError(f"{path}:{i} has no 'prompt' string")
-        if domain is None or row.get("domain") == domain:
-            rows.append(row)
-    return rows[:limit] if limit else rows
-
-
-def verify_positions(bundle: Path) -> int:
-    from dspark.bundle import Manifest
-
-    return Manifest.read(bundle).block_size + 1
-
-
-def default_dev_prompts() -> Path:
-    import os
-
-    env = os.environ.get("DSPARK_DEV_PROMPTS")
-    for candidate in ([Path(env)] if env else []) + DEV_PROMPTS:
-        if candidate.exists():
-            return candidate.resolve()
-    raise DSparkError("no dev prompts found: pass --prompts FILE (JSONL with a 'prompt' field)")
 
 
 # ------------------------------------------------------------------------------------------------ dspark-export
@@ -215,23 +173,25 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, ga
             as_json):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
-    from dspark.runtime import Runtime
+    from dspark.runtime import DecodeOptions, Runtime, VerifyPolicy
 
-    from dspark.runtime.scheduler import VerifyPolicy
-
+    if ar and gate:
+        raise DSparkError("--ar never drafts, so it takes no --gate")
+    policy = VerifyPolicy("ar") if ar else VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold,
+                                                        gate=gate)
+    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
-    policy = VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold, gate=gate)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ar=ar, policy=policy)
     if as_json:
-        res = rt.generate([prompt], **kw)[0]
-        click.echo(json.dumps({"text": rt.tokenizer.decode(res.token_ids), "token_ids": res.token_ids,
+        res = rt.generate([prompt], options)[0]
+        click.echo(json.dumps({"text": res.text, "token_ids": res.token_ids,
                                "tau": round(res.tau, 4), "tokens_per_s": round(res.tokens_per_s, 2),
                                "rounds": res.rounds, "stopped": res.stopped, "mode": "ar" if ar else "dspark"}))
         return
-    for piece in rt.stream(prompt, **kw):
+    stream = rt.stream(prompt, options)
+    for piece in stream:
         click.echo(piece, nl=False)
-    res = rt.last.results[0]
-    drafted = f" ({rt.last.times.drafted} drafted)" if gate and not ar else ""
+    res = stream.result
+    drafted = f" ({stream.times.drafted} drafted)" if gate and not ar else ""
     click.echo(f"\n\n[{'AR' if ar else 'DSpark'}] {len(res.token_ids)} tokens, tau {res.tau:.2f} over "
                f"{res.rounds} rounds{drafted}, {res.tokens_per_s:.1f} tokens/s", err=True)
 
@@ -254,9 +214,9 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
               as_json):
     """Throughput of BUNDLE with R concurrent requests: aggregate and per-request tokens/s, tau, verify budget."""
     from dspark.runtime import Runtime
-    from dspark.runtime.bench import run_batch
+    from dspark.runtime.measure import run_batch
 
-    rows = read_prompts(prompts or default_dev_prompts(), limit=limit)
+    rows = read_prompts(prompts or dev_prompts_path(), limit=limit)
     res = run_batch(Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs), [r["prompt"] for r in rows],
                     concurrency, policy, max_new_tokens, temperature)
     if as_json:
@@ -283,58 +243,12 @@ def doctor_cmd(bundle, build, plugin):
 
 
 @main_cli.command("train")
-@click.option("--target", required=True, help="HF folder, .gguf file, or short name.")
-@click.option("--prompts", required=True, type=click.Path(path_type=Path), help="JSONL prompts (never dev.jsonl).")
-@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Run folder (resumable).")
-@click.option("--data", type=click.Path(path_type=Path), help="Response/feature cache (default OUTPUT/data; "
-              "share it between runs, e.g. DSpark and its DFlash ablation).")
-@click.option("--bundle", type=click.Path(path_type=Path),
-              help="Bundle used to generate responses (default: exported into OUTPUT/work).")
-@click.option("--max-prompts", type=click.IntRange(1), help="Generate responses for at most this many prompts.")
-@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
-@click.option("--gen-batch", default=16, show_default=True, type=click.IntRange(1, 512))
-@click.option("--layers", default=2, show_default=True, type=click.IntRange(1, 64))
-@click.option("--block-size", default=7, show_default=True, type=click.IntRange(1, 64))
-@click.option("--markov-rank", default=48, show_default=True, type=click.IntRange(0, 4096))
-@click.option("--markov-type", default="vanilla", show_default=True, type=click.Choice(["vanilla", "gated", "rnn"]))
-@click.option("--intermediate-size", default=1024, show_default=True, type=click.IntRange(1))
-@click.option("--confidence/--no-confidence", default=True, show_default=True)
-@click.option("--loss", "loss_kind", default="dspark", show_default=True, type=click.Choice(["dspark", "ce"]),
-              help="dspark = 0.1 CE + 0.9 L1 + 1.0 confidence BCE; ce = DFlash's CE only.")
-@click.option("--steps", default=2000, show_default=True, type=click.IntRange(1))
-@click.option("--lr", default=6e-4, show_default=True, type=float)
-@click.option("--anchors", default=32, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--seqs-per-step", default=4, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--seed", type=int, help="Weights and anchor draws [default: 42; with --init-from: mixed with the "
-              "starting weights, so a continued run does not replay the blocks its starting point saw].")
-@click.option("--generate-only", is_flag=True, help="Stop after generating the response cache.")
-@click.option("--import-responses", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Merge responses generated elsewhere for the same PROMPTS and target (a responses.jsonl, e.g. "
-                   "from a GPU machine) into the cache; their taps are computed here, for the first --max-prompts.")
-@click.option("--init-from", help="Start from this trained drafter (folder or short name) instead of random weights; "
-              "its architecture replaces --layers/--block-size/--markov-*/--intermediate-size/--confidence.")
-@click.option("--draft-vocab", default=0, type=click.IntRange(0),
-              help="Train the heads over the N most frequent response tokens, as `dspark-export onnx --draft-vocab "
-                   "N` drafts (1.5-2x faster steps on CPU for SmolLM2); 0 = the whole vocabulary.")
-@click.option("--balance-domains", is_flag=True,
-              help="Draw each training sequence's domain (the prompts' `domain` field) uniformly, then a sequence "
-                   "of it: small domains are replayed more often (train.jsonl is ~90%% math).")
-@click.option("--precision", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp32"]),
-              help="The drafter's forward in bf16 autocast (fp32 weights and losses); auto = bf16 where it runs "
-                   "natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32.")
-def train_cmd(target, prompts, output, data, bundle, max_prompts, max_new_tokens, gen_batch, layers, block_size,
-              markov_rank, markov_type, intermediate_size, confidence, loss_kind, steps, lr, anchors, seqs_per_step,
-              seed, generate_only, import_responses, init_from, draft_vocab, balance_domains, precision):
+@click_options(TrainOptions)
+def train_cmd(**options):
     """Train a DSpark drafter for TARGET on the target's own responses to PROMPTS (CPU or CUDA)."""
     from dspark.train.run import TrainRun
 
-    TrainRun(target=target, prompts=prompts, output=output, data=data, bundle=bundle, max_prompts=max_prompts,
-             max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers, block_size=block_size,
-             markov_rank=markov_rank, markov_type=markov_type, intermediate_size=intermediate_size,
-             confidence=confidence, loss=loss_kind, steps=steps, lr=lr, anchors=anchors,
-             seqs_per_step=seqs_per_step, seed=seed, init_from=init_from, draft_vocab=draft_vocab,
-             import_responses=import_responses, balance_domains=balance_domains,
-             precision=precision).run(generate_only=generate_only)
+    TrainRun(**options).run()
 
 
 @main_cli.command("calibrate")
@@ -362,12 +276,13 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
         from dspark.calibration.sps import profile, write_sps
         from dspark.runtime import Runtime
 
-        result = profile(Runtime(bundle, backend=backend), max_batch=max_batch)
+        rt = Runtime(bundle, backend=backend)
+        result = profile(rt, max_batch=max_batch)
         write_sps(bundle, result)
         table = result["sps_table"]
         click.echo(f"SPS table for 1..{len(table)} batch tokens written to {bundle}/manifest.json")
         for m in result["sps_measurements"]:
-            if m["positions"] in (1, verify_positions(bundle)):
+            if m["positions"] in (1, rt.manifest.block_size + 1):
                 click.echo(f"  batch {m['batch']:>3} x {m['positions']} positions: {m['steps_per_s']:.1f} steps/s")
         return
     if backend != "onnxruntime":
@@ -410,7 +325,7 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
     pair = load_pair(target, draft, seed)
     tok = ChatTokenizer(pair.loaded.folder)
     if prompt is None:
-        prompt = read_prompts(default_dev_prompts(), limit=1)[0]["prompt"]
+        prompt = read_prompts(dev_prompts_path(), limit=1)[0]["prompt"]
     ids = tok.encode_chat(prompt)
     t0 = time.perf_counter()
     ds = generate_dspark(pair.target, pair.drafter, [ids], max_new_tokens, temperature, seed, tok.stop_ids,
@@ -435,19 +350,6 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
             sys.exit(1)
 
 
-def _folder_digest(folder: Path) -> str:
-    """Short content hash of a checkpoint folder's files (names and bytes; its documentation aside)."""
-    import hashlib
-
-    from dspark.bundle import sha256_file
-
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".md")
-    return hashlib.sha256("".join(f"{f.name}:{sha256_file(f)}\n" for f in files).encode()).hexdigest()[:10]
-
-
-DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x cheaper, same greedy tau
-
-
 @main_cli.command("demo")
 @click.option("--bundle", type=click.Path(path_type=Path),
               help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark-<drafter "
@@ -460,58 +362,9 @@ DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x 
 def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
     """Convert SmolLM2-135M-Instruct + the demo DSpark drafter, then decode dev prompts with DSpark and with
     autoregressive decoding on ONNX Runtime: text, tau, and the speedup measured in this run."""
-    import time
+    from dspark.demo import run_demo
 
-    from dspark.bundle import Manifest
-    from dspark.resolve import DRAFTS, cache_dir
-    from dspark.runtime import Runtime
-
-    draft = "smollm2-135m-dspark"
-    if not (DRAFTS[draft]() / "config.json").exists():
-        raise DSparkError(f"the demo drafter {draft} is missing from this installation")
-    digest = _folder_digest(DRAFTS[draft]())
-    bundle = bundle or cache_dir() / "bundles" / f"{draft}-{digest}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
-    if not (bundle / "manifest.json").exists():
-        click.echo(f"converting smollm2-135m + {draft} -> {bundle} (once; a few minutes on 2 cores)", err=True)
-        from dspark.export.onnx_export import Progress, export_bundle
-        from dspark.models.pair import load_pair
-
-        progress = Progress(6)
-        with progress.step("loading target and draft"):
-            pair = load_pair("smollm2-135m", draft)
-        export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB)
-    if heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
-        from dspark.export.quantize import quantize_graph
-
-        quantize_graph(bundle, "heads")
-    rt = Runtime(bundle)
-    rows = read_prompts(default_dev_prompts())
-    by_domain: dict[str, list[dict]] = {}
-    for r in rows:
-        by_domain.setdefault(r.get("domain", "all"), []).append(r)
-    picked = [r for group in zip(*by_domain.values()) for r in group][:n_prompts]
-    totals = {"dspark": [0, 0.0], "ar": [0, 0.0]}
-    taus = []
-    for r in picked:
-        outs = {}
-        for mode in ("ar", "dspark"):
-            t0 = time.perf_counter()
-            res = rt.generate([r["prompt"]], max_new_tokens=max_new_tokens, ar=mode == "ar")[0]
-            seconds = time.perf_counter() - t0
-            totals[mode][0] += len(res.token_ids)
-            totals[mode][1] += seconds
-            outs[mode] = (res, seconds)
-        ds, ar = outs["dspark"][0], outs["ar"][0]
-        taus += ds.committed
-        click.echo(f"\n[{r.get('domain')}] {r['prompt'][:200]}\n")
-        click.echo(rt.tokenizer.decode(ds.token_ids).strip())
-        click.echo(f"\n  DSpark: {len(ds.token_ids)} tokens, tau {ds.tau:.2f}, {len(ds.token_ids) / outs['dspark'][1]:.1f} tok/s"
-                   f" | AR: {len(ar.token_ids) / outs['ar'][1]:.1f} tok/s | identical to AR: "
-                   f"{'yes' if ds.token_ids == ar.token_ids else 'NO'}")
-    ds_rate = totals["dspark"][0] / totals["dspark"][1]
-    ar_rate = totals["ar"][0] / totals["ar"][1]
-    click.echo(f"\nDSpark {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s on ONNX Runtime (fp32, batch 1): "
-               f"speedup x{ds_rate / ar_rate:.2f}, tau {sum(taus) / max(1, len(taus)):.2f}")
+    run_demo(bundle, n_prompts, max_new_tokens, heads, say=lambda m: click.echo(m, err=True), show=click.echo)
 
 
 if __name__ == "__main__":

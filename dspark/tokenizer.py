@@ -80,3 +80,27 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing id list, piece by piece, decoding only a short window per step (not the whole list).
+
+    The window starts a few tokens back (`prefix`) so that decoders which treat the first token specially (a
+    leading-space marker) see the same context as a full decode; a piece is released once it no longer ends in an
+    incomplete UTF-8 sequence (U+FFFD), as a full decode of the ids so far would show it.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # ids up to here have been released as text
+
+    def add(self, ids: list[int]) -> str:
+        self.ids += ids
+        shown = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(shown) or text.endswith("\ufffd") or not text.startswith(shown):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(shown):]

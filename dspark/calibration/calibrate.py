@@ -11,17 +11,16 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.calibration.sts import Rounds, fit_sts, reliability
 from dspark.errors import DSparkError
+from dspark.runtime import DecodeOptions, Runtime
 
 
 def collect_rounds(bundle: Path, prompts: list[str], max_new_tokens: int = 256, temperature: float = 0.0,
                    batch_size: int = 8, seed: int = 0) -> Rounds:
-    from dspark.runtime import Runtime
-
     rt = Runtime(bundle)
     if not rt.manifest.draft.get("confidence_head"):
         raise DSparkError(f"{bundle} has no confidence head to calibrate")
-    dec = rt.decoder(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                     batch_size=batch_size, record_confidence=True)
+    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                            batch_size=batch_size, record_confidence=True))
     for _ in dec:
         pass
     if not dec.confidence_log:

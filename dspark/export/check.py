@@ -16,6 +16,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.runtime import DecodeOptions, Runtime
 
 CHECK_DIR = "check"
 CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"
@@ -37,14 +38,13 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> Non
 
     from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
     from dspark.models.reference import generate_ar, generate_dspark
-    from dspark.runtime import Runtime
 
     rt = Runtime(bundle)
     captured: dict[str, list[dict]] = {k: [] for k in CAPTURE}
     for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
         graph.run = _recording(graph.run, captured[name], CAPTURE[name])
     prompt_ids = rt.encode(CHECK_PROMPT)
-    for _ in rt.decoder([prompt_ids], max_new_tokens=max_tokens):
+    for _ in rt.decoder([prompt_ids], DecodeOptions(max_new_tokens=max_tokens)):
         pass
     modules = {"verifier": VerifierGraph(pair.target), "draft": DraftGraph(pair.drafter),
                "heads": HeadsGraph(pair.drafter)}
@@ -143,8 +143,6 @@ def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, 
 
 
 def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
-    from dspark.runtime import Runtime
-
     bundle = Path(bundle)
     man = Manifest.read(bundle)
     check_dir = bundle / CHECK_DIR
@@ -169,7 +167,8 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
     expected = json.loads((check_dir / "expected.json").read_text())
     e2e = {}
     for mode, key in (("dspark", "reference_dspark"), ("ar", "reference_ar")):
-        res = rt.generate([expected["prompt_ids"]], max_new_tokens=expected["max_new_tokens"], ar=mode == "ar")[0]
+        options = DecodeOptions(max_new_tokens=expected["max_new_tokens"], policy="ar" if mode == "ar" else "all")
+        res = rt.generate([expected["prompt_ids"]], options)[0]
         want = expected[key]
         first_diff = next((i for i, (a, b) in enumerate(zip(res.token_ids, want)) if a != b),
                           None if len(res.token_ids) == len(want) else min(len(res.token_ids), len(want)))

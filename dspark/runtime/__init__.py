@@ -1,5 +1,9 @@
-"""Torch-free DSpark runtime: load a bundle and decode with ONNX Runtime (CPU)."""
-from dspark.runtime.api import Runtime
+"""Torch-free DSpark runtime: load a bundle and decode with ONNX Runtime (CPU) or a registered GPU backend."""
+from dspark.runtime.api import Runtime, Stream
+from dspark.runtime.backend import Backend, register_backend
 from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.runtime.options import DecodeOptions
+from dspark.runtime.scheduler import VerifyPolicy
 
-__all__ = ["Runtime", "Decoder", "RequestResult"]
+__all__ = ["Runtime", "Stream", "Decoder", "RequestResult", "DecodeOptions", "VerifyPolicy", "Backend",
+           "register_backend"]

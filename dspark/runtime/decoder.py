@@ -19,8 +19,10 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
+from dspark.runtime.backend import Backend
 from dspark.runtime.gate import DraftGate
-from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
+from dspark.runtime.options import DecodeOptions
+from dspark.runtime.scheduler import RoundPlanner
 
 
 @dataclass
@@ -36,6 +38,7 @@ class RequestResult:
     started: float = 0.0
     seconds: float = 0.0
     taps: list = field(default_factory=list, repr=False)  # target features per position (record_taps=True)
+    text: str = ""  # the decoded tokens (Runtime.generate fills it in)
 
     @property
     def tau(self) -> float:
@@ -79,48 +82,37 @@ class Event:
 
 
 class Decoder:
-    """Decodes `prompts` through `batch_size` slots; iterate it for Events, then read `results` and `times`."""
+    """Decodes `prompts` (token ids) through `options.batch_size` slots; iterate it for Events, then read `results`
+    and `times`. `request_ids` name the requests for their noise (default 0..n-1): a request's tokens do not depend
+    on which decoder or slot serves it."""
 
-    def __init__(self, backend, manifest: Manifest, prompts: list[list[int]], max_new_tokens: int,
-                 temperature: float = 0.0, seed: int = 0, threshold: float = 0.0, ar: bool = False,
-                 batch_size: int | None = None, capacity: int | None = None, record_taps: bool = False,
-                 record_confidence: bool = False, policy: VerifyPolicy | None = None,
-                 request_ids: list[int] | None = None):
+    def __init__(self, backend: Backend, manifest: Manifest, prompts: list[list[int]],
+                 options: DecodeOptions = DecodeOptions(), request_ids: list[int] | None = None,
+                 capacity: int | None = None):
         if not prompts:
             raise DSparkError("no prompts given")
         if any(len(p) == 0 for p in prompts):
             raise DSparkError("empty prompt: give at least one token")
-        if max_new_tokens < 1:
-            raise DSparkError("max_new_tokens must be at least 1")
-        self.backend, self.man = backend, manifest
-        self.bk = manifest.block_size
-        longest = max(map(len, prompts))
-        fixed = backend.fixed_capacity  # engines built for one cache size (TensorRT)
-        limit = min(manifest.max_context, fixed or manifest.max_context)
-        need = longest + max_new_tokens + self.bk + 1
-        if longest + self.bk + 2 > limit:
-            raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
-        self.capacity = fixed or capacity or min(need, limit)
-        b = min(batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
+        self.backend, self.manifest, self.options = backend, manifest, options
+        self.block_size = manifest.block_size
+        self.ar = options.ar
+        self.capacity = self._capacity(max(map(len, prompts)), capacity)
+        b = min(options.batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
         t, d = manifest.target, manifest.draft
         # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
         self.kv = backend.kv_cache(t["num_layers"], b, t["num_kv_heads"], self.capacity, t["head_dim"], "target")
-        self.dkv = backend.kv_cache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"], "draft",
-                                    prefix="draft_past")
+        self.draft_kv = backend.kv_cache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"],
+                                         "draft", prefix="draft_past")
         self.prompts = prompts
-        self.max_new = max_new_tokens
-        self.ar = ar
-        self.record_taps = record_taps
-        self.record_confidence = record_confidence
+        self.max_new = options.max_new_tokens
         self.confidence_log: list[tuple[np.ndarray, int, int]] = []  # (conf logits [Bk], verified, accepted)
-        self.seed = seed
-        self.request_ids = request_ids or list(range(len(prompts)))  # noise identity (a request's tokens don't
-        # depend on which decoder or slot serves it)
-        self.temperature = np.full(b, temperature, dtype=np.float32)
-        self.policy = policy or VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold)
-        self.planner = RoundPlanner(self.policy, b, manifest.calibration.get("sps_table"))
-        self.gate = None if ar or not self.policy.gate else DraftGate(
-            self.policy.sps_table(manifest.calibration.get("sps_table")), self.bk, b, self.policy.layout)
+        self.request_ids = request_ids or list(range(len(prompts)))
+        self.temperature = np.full(b, options.temperature, dtype=np.float32)
+        self.policy = options.policy
+        sps_table = manifest.calibration.get("sps_table")
+        self.planner = RoundPlanner(self.policy, b, sps_table)
+        self.gate = None if self.ar or not self.policy.gate else DraftGate(
+            self.policy.sps_table(sps_table), self.block_size, b, self.policy.layout)
         self.verify_budget: list[int] = []  # drafts verified per round, summed over requests
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)
@@ -136,6 +128,29 @@ class Decoder:
         self._no_drafts = backend.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
         self._zero = np.zeros(b, dtype=np.int64)
         self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
+
+    def _capacity(self, longest: int, capacity: int | None) -> int:
+        fixed = self.backend.fixed_capacity  # engines built for one cache size (TensorRT)
+        limit = min(self.manifest.max_context, fixed or self.manifest.max_context)
+        if longest + self.block_size + 2 > limit:
+            raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
+        return fixed or capacity or min(longest + self.max_new_tokens + self.block_size + 1, limit)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
+
+    @property
+    def record_taps(self) -> bool:
+        return self.options.record_taps
+
+    @property
+    def record_confidence(self) -> bool:
+        return self.options.record_confidence
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
 
     @property
     def batch(self) -> int:
@@ -172,8 +187,8 @@ class Decoder:
             self.slot_req[slot] = req
             self.noise[slot] = RequestNoise(self.seed, self.request_ids[req])
             self.kv.commit(slot, 0)
-            self.dkv.commit(slot, 0)
-            self.kv.check_room(slot, tokens.shape[1])
+            self.draft_kv.commit(slot, 0)
+            self.kv.check_room(slot, tokens.shape[1], request=self.request_ids[req])
             self.results[req].started = time.perf_counter()
         n = len(reqs)
         src = [self.noise[s] for s in slots]
@@ -197,18 +212,20 @@ class Decoder:
     def _draft(self, live: np.ndarray):
         t0 = time.perf_counter()
         out = self.backend.draft.run({"ctx_features": self.ctx.feed(), "ctx_count": self.ctx.count,
-                                      "anchor": self.anchor, "past_mask": self.dkv.past_mask(), **self.dkv.feeds})
+                                      "anchor": self.anchor, "past_mask": self.draft_kv.past_mask(),
+                                      **self.draft_kv.feeds})
         new_kv = self._state(out["new_draft_kv"])
         t1 = time.perf_counter()
         for slot in np.flatnonzero(self.ctx.count):
             count = int(self.ctx.count[slot])
-            self.dkv.check_room(slot, count)
-            self.dkv.write(new_kv, slot, count)
-            self.dkv.commit(slot, int(self.dkv.lengths[slot]) + count)
+            self.draft_kv.check_room(slot, count, request=self.request_ids[self.slot_req[slot]])
+            self.draft_kv.write(new_kv, slot, count)
+            self.draft_kv.commit(slot, int(self.draft_kv.lengths[slot]) + count)
         self.ctx.count[:] = 0  # consumed
         noises = [src if alive else None for src, alive in zip(self.noise, live)]
         heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
-                                        "temperature": self.temperature, "draft_noise": stack(noises, self.bk),
+                                        "temperature": self.temperature,
+                                        "draft_noise": stack(noises, self.block_size),
                                         "conf_temperatures": self.conf_temps, **self.planner.feeds(live)})
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
@@ -262,61 +279,88 @@ class Decoder:
                 self.ctx.count[slot] = 0
 
     # -- loop -------------------------------------------------------------------------------------------------
+    #
+    # One round, for every live slot at once:
+    #   1. plan:    draft or not (AR mode, or the draft gate skipping a round that cannot pay)
+    #   2. draft:   draft.onnx consumes the target features the draft has not seen and returns its hidden states;
+    #               heads.onnx runs the Markov head (block of draft tokens + their probabilities), the confidence
+    #               head (calibrated prefix survival) and dspark::ConfidenceTruncate (how many drafts to verify)
+    #   3. verify:  verifier.onnx runs the anchor + the verified drafts against the target KV cache. The acceptance
+    #               rule (greedy match, or lossless rejection sampling against the draft probabilities) and the
+    #               bonus/next token live INSIDE the verifier graph (dspark.export.graphs): the host only reads
+    #               how many drafts were accepted and the next token.
+    #   4. commit:  per slot, append the accepted drafts + next token (cut at a stop token), write the new K/V and
+    #               target features after the valid prefix, and roll back the rest by a length change (O(1)).
+    #   5. refill:  slots whose request finished take the next queued request (prefilled together).
 
     def __iter__(self) -> Iterator[Event]:
         start = time.perf_counter()
-        b = self.batch
         yield from self._fill_free_slots()
         while any(r >= 0 for r in self.slot_req):
             live = np.array([r >= 0 for r in self.slot_req])
             noises = [src if alive else None for src, alive in zip(self.noise, live)]
             plain = self.ar or (self.gate is not None and not self.gate.should_draft(live))
-            if plain:  # one verifier position per request: autoregressive decoding
-                verify_len, drafts, t, draft_probs = self._zero, self._no_draft_ids, 1, self._no_drafts
-                tokens = self.anchor[:, None]
-                if not self.ar:
-                    self.verify_budget.append(0)
-            else:
-                drafts, draft_probs, verify_len = self._draft(live)
-                verify_len = np.where(live, verify_len, 0)
-                self.verify_budget.append(int(verify_len.sum()))
-                t = 1 + int(verify_len.max())
-                tokens = np.concatenate([self.anchor[:, None], drafts[:, :t - 1]], axis=1)
-            logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
-            accept = stack(noises, 1 if plain else self.bk + 1)[:, :t]
-            t0 = time.perf_counter()
-            accepted, nxt, taps, new_kv = self._verify(self.kv.feeds, self.kv.past_mask(), tokens, logit_index,
-                                                       verify_len, self.temperature, accept, stack(noises, 1)[:, 0],
-                                                       draft_probs)
-            elapsed = time.perf_counter() - t0
-            self.times.verify += elapsed
-            if self.gate is not None:
-                self.gate.observe_verify(b * t, elapsed)  # the positions this step computed
-            self.times.rounds += 1
-            self.times.round_tokens.append(b * t)
-            self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0
+            tokens, drafts, draft_probs, verify_len = self._plan(live, plain)
+            accepted, nxt, taps, new_kv = self._verify_round(tokens, verify_len, draft_probs, noises, plain, live)
             host_taps = self._host(taps) if self.record_taps else None
             for slot in np.flatnonzero(live):
-                res, a = self.results[self.slot_req[slot]], int(accepted[slot])
-                self.kv.check_room(slot, t)
-                self.kv.write(new_kv, slot, t)
-                res.rounds += 1
-                res.proposed.append(int(verify_len[slot]))
-                commit = [int(x) for x in drafts[slot, :a]] + [int(nxt[slot])]
-                stop_at = next((j for j, tok in enumerate(commit[:a]) if tok in self.stop_ids), None)
-                if stop_at is not None:  # accepted drafts hold a stop token: cut there, no bonus token
-                    commit = commit[:stop_at + 1]
-                res.accepted.append(min(a, len(commit)))
-                res.committed.append(len(commit))
-                if self._conf is not None:
-                    self.confidence_log.append((self._conf[slot].copy(), int(verify_len[slot]), res.accepted[-1]))
-                if self.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
-                    res.taps.append(host_taps[slot, :a + 1].astype(np.float16))
-                yield Event(self.slot_req[slot], self._take(slot, commit), res.done)
-                if not res.done:
-                    self.kv.commit(slot, int(self.kv.lengths[slot]) + a + 1)
-                    if not self.ar:
-                        self.ctx.put(slot, taps, slot, a + 1, append=True)
-                    self.anchor[slot] = nxt[slot]
+                yield self._commit(slot, int(accepted[slot]), drafts, int(nxt[slot]), int(verify_len[slot]),
+                                   tokens.shape[1], taps, new_kv, host_taps)
             yield from self._fill_free_slots()
         self.times.total = time.perf_counter() - start
+
+    def _plan(self, live: np.ndarray, plain: bool):
+        """The round's verifier tokens [B, T] (anchor + drafts), drafts, draft probabilities and drafts to verify."""
+        if plain:  # one verifier position per request: autoregressive decoding
+            if not self.ar:
+                self.verify_budget.append(0)
+            return self.anchor[:, None], self._no_draft_ids, self._no_drafts, self._zero
+        drafts, draft_probs, verify_len = self._draft(live)
+        verify_len = np.where(live, verify_len, 0)
+        self.verify_budget.append(int(verify_len.sum()))
+        t = 1 + int(verify_len.max())
+        return np.concatenate([self.anchor[:, None], drafts[:, :t - 1]], axis=1), drafts, draft_probs, verify_len
+
+    def _verify_round(self, tokens: np.ndarray, verify_len: np.ndarray, draft_probs, noises: list, plain: bool,
+                      live: np.ndarray):
+        b, t = tokens.shape
+        logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+        accept = stack(noises, 1 if plain else self.block_size + 1)[:, :t]
+        t0 = time.perf_counter()
+        out = self._verify(self.kv.feeds, self.kv.past_mask(), tokens, logit_index, verify_len, self.temperature,
+                           accept, stack(noises, 1)[:, 0], draft_probs)
+        elapsed = time.perf_counter() - t0
+        self.times.verify += elapsed
+        if self.gate is not None:
+            self.gate.observe_verify(b * t, elapsed)  # the positions this step computed
+        self.times.rounds += 1
+        self.times.round_tokens.append(b * t)
+        self.times.round_useful.append(int(np.count_nonzero(live) + verify_len.sum()))  # dead slots verify 0
+        return out
+
+    def _commit(self, slot: int, accepted: int, drafts: np.ndarray, nxt: int, verified: int, t: int, taps, new_kv,
+                host_taps) -> Event:
+        """Commit one slot's round: accepted drafts + the verifier's next token, cut at a stop token."""
+        req = self.slot_req[slot]
+        res = self.results[req]
+        self.kv.check_room(slot, t, request=self.request_ids[req])
+        self.kv.write(new_kv, slot, t)
+        res.rounds += 1
+        res.proposed.append(verified)
+        commit = [int(x) for x in drafts[slot, :accepted]] + [nxt]
+        stop_at = next((j for j, tok in enumerate(commit[:accepted]) if tok in self.stop_ids), None)
+        if stop_at is not None:  # accepted drafts hold a stop token: cut there, no bonus token
+            commit = commit[:stop_at + 1]
+        res.accepted.append(min(accepted, len(commit)))
+        res.committed.append(len(commit))
+        if self._conf is not None:
+            self.confidence_log.append((self._conf[slot].copy(), verified, res.accepted[-1]))
+        if self.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
+            res.taps.append(host_taps[slot, :accepted + 1].astype(np.float16))
+        event = Event(req, self._take(slot, commit), res.done)
+        if not res.done:
+            self.kv.commit(slot, int(self.kv.lengths[slot]) + accepted + 1)
+            if not self.ar:
+                self.ctx.put(slot, taps, slot, accepted + 1, append=True)
+            self.anchor[slot] = nxt
+        return event

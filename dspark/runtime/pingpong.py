@@ -2,8 +2,8 @@
 own thread. A lane blocks (releasing the GIL) while it waits for its results; meanwhile the other lane's host work,
 copies and engines proceed, so on a GPU one micro-batch's transfers and host steps hide behind the other's engines.
 
-Backends offer lanes with `lanes(n)` (dspark.trt.stream.StreamingBackend: own streams, execution contexts and
-buffers on the shared engines). Tokens do not depend on the split: noise is keyed by the global request index.
+Backends offer lanes with `lanes(n)` (dspark.trt.backend.TrtBackend: own streams, execution contexts and
+buffers on the shared engines; a backend without lanes refuses n > 1). Tokens do not depend on the split: noise is keyed by the global request index.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dspark.errors import DSparkError
 from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.runtime.options import DecodeOptions
 
 
 @dataclass
@@ -26,17 +27,16 @@ class PingPongRun:
         return sum(len(r.token_ids) for r in self.results) / self.seconds if self.seconds > 0 else 0.0
 
 
-def generate_pingpong(runtime, prompts, micro_batches: int = 2, **kw) -> PingPongRun:
+def generate_pingpong(runtime, prompts, micro_batches: int = 2,
+                      options: DecodeOptions = DecodeOptions()) -> PingPongRun:
     """Decode `prompts` as `micro_batches` interleaved micro-batches (requests i, i + m, i + 2m, ... in lane i)."""
     if micro_batches < 1:
         raise DSparkError("micro_batches must be at least 1")
-    if micro_batches > 1 and not hasattr(runtime.backend, "lanes"):
-        raise DSparkError(f"the {runtime.backend.kind} backend has no lanes for ping-pong micro-batches")
     encoded = [runtime.encode(p) for p in prompts]
     parts = [list(range(i, len(encoded), micro_batches)) for i in range(micro_batches)]
     parts = [p for p in parts if p]
-    backends = runtime.backend.lanes(len(parts)) if len(parts) > 1 else [runtime.backend]
-    decoders = [Decoder(b, runtime.manifest, [encoded[i] for i in part], request_ids=part, **kw)
+    backends = runtime.backend.lanes(len(parts))
+    decoders = [Decoder(b, runtime.manifest, [encoded[i] for i in part], options, request_ids=part)
                 for b, part in zip(backends, parts)]
     errors: list[BaseException] = []
 

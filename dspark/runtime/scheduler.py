@@ -1,7 +1,8 @@
 """How many draft tokens each request verifies per round (torch-free).
 
 The decision itself runs inside heads.onnx (dspark::ConfidenceTruncate); this module picks the op's mode and
-inputs per round. Policies:
+inputs per round. Policies (`VerifyPolicy.parse` reads them from text, e.g. "static:0.4" or "schedule+gate"):
+  ar          never draft: one verifier position per round (autoregressive decoding with the same graph)
   all         verify every draft (threshold 0)
   fixed       verify at most `gamma` drafts (a constant cap, applied on the host)
   static      verify the prefix whose calibrated survival reaches `threshold`
@@ -19,7 +20,7 @@ import numpy as np
 from dspark.errors import DSparkError
 from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, TOPK, budget_from
 
-KINDS = ("all", "fixed", "static", "schedule", "topk")
+KINDS = ("ar", "all", "fixed", "static", "schedule", "topk")
 
 
 @dataclass
@@ -36,6 +37,34 @@ class VerifyPolicy:
             raise DSparkError(f"unknown verification policy {self.kind!r} (choose from {', '.join(KINDS)})")
         if self.kind == "fixed" and (self.gamma is None or self.gamma < 0):
             raise DSparkError("the fixed policy needs gamma >= 0")
+        if self.kind == "ar" and self.gate:
+            raise DSparkError("'ar' never drafts, so it takes no '+gate'")
+
+    @property
+    def is_ar(self) -> bool:
+        return self.kind == "ar"
+
+    @classmethod
+    def parse(cls, text: str) -> "VerifyPolicy":
+        """'ar', 'all', 'fixed:3', 'static:0.4', 'schedule', 'topk', each but 'ar' optionally with '+gate'."""
+        body, plus, extra = text.partition("+")
+        if plus and extra != "gate":
+            raise DSparkError(f"bad policy {text!r}: the only suffix is '+gate'")
+        name, _, arg = body.partition(":")
+        try:
+            if name == "fixed":
+                return cls("fixed", gamma=int(arg), gate=bool(plus))
+            if name == "static":
+                return cls("static", threshold=float(arg), gate=bool(plus))
+        except ValueError:
+            raise DSparkError(f"bad policy {text!r}: fixed:N takes an integer, static:T a number") from None
+        if arg:
+            raise DSparkError(f"bad policy {text!r}: {name} takes no ':' argument")
+        return cls(name, gate=bool(plus))
+
+    def __str__(self) -> str:
+        arg = {"fixed": f":{self.gamma}", "static": f":{self.threshold:g}"}.get(self.kind, "")
+        return f"{self.kind}{arg}{'+gate' if self.gate else ''}"
 
     def sps_table(self, bundle_table: list[float] | None) -> np.ndarray:
         sps = self.sps if self.sps is not None else bundle_table

@@ -1,9 +1,10 @@
 """An in-process stand-in for the CUDA runtime and TensorRT engines, to test the GPU backend's data flow on CPU.
 
-What it checks is ours, not TensorRT's: that dspark.trt.stream binds the right addresses and shapes, keeps the
-caches and hand-offs on the "device", appends K/V and features at the right offsets, stays inside its allocations
-(every device access is bounds-checked), stays inside the engines' optimization profiles (an out-of-profile shape
-is refused, as TensorRT refuses it), and replays captured CUDA graphs with fresh contents at fixed addresses.
+What it checks is ours, not TensorRT's: that dspark.trt.backend.TrtBackend binds the right addresses and shapes,
+keeps the caches and hand-offs on the "device", appends K/V and features at the right offsets, stays inside its
+allocations (every device access is bounds-checked), stays inside the engines' optimization profiles (an
+out-of-profile shape is refused, as TensorRT refuses it), and replays captured CUDA graphs with fresh contents at
+fixed addresses.
 "Device" memory is host memory; each engine runs its ONNX graph with ONNX Runtime on the bound buffers. Streams
 run in issue order, so it cannot find missing synchronization: that needs the real device (bench/device_check.sh).
 """
@@ -19,6 +20,7 @@ import onnxruntime as ort
 
 from dspark.bundle import Manifest
 from dspark.ops.scatter_rows.reference import scatter_rows
+from dspark.trt.backend import TrtBackend
 from dspark.trt.profiles import graph_profiles
 
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_,
@@ -26,6 +28,8 @@ ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(boo
 
 
 class EmulatedCuda:
+    """The interface of dspark.trt.cuda.CudaRuntime over host memory, with every device access bounds-checked."""
+
     def __init__(self):
         self.device: dict[int, np.ndarray] = {}  # base pointer -> backing bytes
         self.bases: list[int] = []
@@ -57,9 +61,9 @@ class EmulatedCuda:
         return raw[:n * dtype.itemsize].view(dtype).reshape(shape)
 
     def malloc(self, nbytes: int) -> int:
-        arr = np.full(max(nbytes, 1), 0xAB, dtype=np.uint8)  # garbage, as fresh device memory would hold
-        ptr = arr.ctypes.data
-        self.device[ptr] = arr
+        block = np.full(max(nbytes, 1), 0xAB, dtype=np.uint8)  # garbage, as fresh device memory would hold
+        ptr = block.ctypes.data
+        self.device[ptr] = block
         bisect.insort(self.bases, ptr)
         self.counts["malloc"] += 1
         return ptr
@@ -70,9 +74,9 @@ class EmulatedCuda:
         self.counts["free"] += 1
 
     def host_alloc(self, nbytes: int):
-        arr = np.zeros(max(nbytes, 1), dtype=np.uint8)
-        self.host[arr.ctypes.data] = arr
-        return arr.ctypes.data, arr
+        block = np.zeros(max(nbytes, 1), dtype=np.uint8)
+        self.host[block.ctypes.data] = block
+        return block.ctypes.data, block
 
     def host_free(self, ptr: int) -> None:
         del self.host[ptr]
@@ -119,30 +123,32 @@ class EmulatedCuda:
         pass
 
     def capture(self, stream: int, launch) -> int:
-        exe = self._id()
+        graph = self._id()
         # a real graph holds no reference to the objects that captured it
-        self.graphs[exe] = weakref.WeakMethod(launch) if hasattr(launch, "__self__") else (lambda: launch)
+        self.graphs[graph] = weakref.WeakMethod(launch) if hasattr(launch, "__self__") else (lambda: launch)
         self.counts["capture"] += 1
-        return exe
+        return graph
 
-    def replay(self, exe: int, stream: int) -> None:
-        self.graphs[exe]()()
+    def replay(self, graph: int, stream: int) -> None:
+        self.graphs[graph]()()
         self.counts["replay"] += 1
 
-    def destroy_graph(self, exe: int) -> None:
-        del self.graphs[exe]
+    def destroy_graph(self, graph: int) -> None:
+        del self.graphs[graph]
 
     def scatter_rows(self, src, dst, planes, src_batch, heads, src_rows, dst_batch, dst_rows, width, index,
                      n_entries, max_count, stream) -> None:
         table = self.view(index, (4, n_entries), np.int64)
-        s = self.view(src, (planes, src_batch, heads, src_rows, width), np.float32)
-        d = self.view(dst, (planes, dst_batch, heads, dst_rows, width), np.float32)
+        source = self.view(src, (planes, src_batch, heads, src_rows, width), np.float32)
+        destination = self.view(dst, (planes, dst_batch, heads, dst_rows, width), np.float32)
         assert max_count == table[3].max()
-        scatter_rows(s, d, *table)
+        scatter_rows(source, destination, *table)
         self.counts["scatter"] += 1
 
 
 class EmulatedContext:
+    """A TensorRT execution context: profile limits enforced, the engine run on the bound addresses."""
+
     def __init__(self, engine: "EmulatedEngine"):
         self.engine = engine
         self.profile = 0
@@ -158,7 +164,7 @@ class EmulatedContext:
 
     def set_input_shape(self, name: str, shape) -> bool:
         lo, _, hi = self.engine.profiles[self.profile].shapes[name]
-        if len(shape) != len(lo) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
+        if len(shape) != len(lo) or any(not low <= dim <= high for low, dim, high in zip(lo, shape, hi)):
             return False
         self.shapes[name] = tuple(shape)
         return True
@@ -170,16 +176,17 @@ class EmulatedContext:
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
         axes = {}
-        for t in self.engine.spec.inputs:
-            for d, n in zip(t.shape, self.shapes[t.name]):
-                if isinstance(d, str):
-                    axes[d] = n
-        spec = next(t for t in self.engine.spec.outputs if t.name == name)
-        return tuple(d if isinstance(d, int) else axes[d] for d in spec.shape)
+        for tensor in self.engine.spec.inputs:
+            for dim, size in zip(tensor.shape, self.shapes[tensor.name]):
+                if isinstance(dim, str):
+                    axes[dim] = size
+        spec = next(tensor for tensor in self.engine.spec.outputs if tensor.name == name)
+        return tuple(dim if isinstance(dim, int) else axes[dim] for dim in spec.shape)
 
     def execute_async_v3(self, stream: int) -> bool:
         engine = self.engine
-        feeds = {n: engine.read(self.addresses[n], self.shapes[n], engine.dtypes[n]) for n in engine.input_names}
+        feeds = {name: engine.read(self.addresses[name], self.shapes[name], engine.dtypes[name])
+                 for name in engine.input_names}
         outputs = engine.session.run(None, feeds)
         for name, value in zip(engine.output_names, outputs):
             assert tuple(value.shape) == self.get_tensor_shape(name), name
@@ -189,16 +196,19 @@ class EmulatedContext:
 
 
 class EmulatedEngine:
-    def __init__(self, cuda: EmulatedCuda, folder: Path, man: Manifest, name: str, profiles):
-        self.cuda, self.spec, self.profiles = cuda, man.graphs[name], profiles
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(Path(folder) / self.spec.file), opts,
+    """A TensorRT engine "built" with the given profiles: its ONNX graph on ONNX Runtime, reading and writing the
+    emulated device memory."""
+
+    def __init__(self, cuda: EmulatedCuda, folder: Path, manifest: Manifest, name: str, profiles):
+        self.cuda, self.spec, self.profiles = cuda, manifest.graphs[name], profiles
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(Path(folder) / self.spec.file), options,
                                             providers=["CPUExecutionProvider"])
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
-        self.dtypes = {x.name: np.dtype(ORT_TYPES[x.type])
-                       for x in self.session.get_inputs() + self.session.get_outputs()}
+        self.input_names = [tensor.name for tensor in self.session.get_inputs()]
+        self.output_names = [tensor.name for tensor in self.session.get_outputs()]
+        self.dtypes = {tensor.name: np.dtype(ORT_TYPES[tensor.type])
+                       for tensor in self.session.get_inputs() + self.session.get_outputs()}
         self.num_profiles = len(profiles)
         self.contexts: list[EmulatedContext] = []
 
@@ -209,29 +219,34 @@ class EmulatedEngine:
         self.cuda.view(ptr, value.shape, value.dtype)[...] = value
 
     def io(self):
-        return [(n, True, self.dtypes[n]) for n in self.input_names] + \
-               [(n, False, self.dtypes[n]) for n in self.output_names]
+        return [(name, True, self.dtypes[name]) for name in self.input_names] + \
+               [(name, False, self.dtypes[name]) for name in self.output_names]
 
     def context(self) -> EmulatedContext:
         self.contexts.append(EmulatedContext(self))
         return self.contexts[-1]
 
 
-def emulated_backend(folder: Path, max_batch: int = 4, max_context: int = 96, cuda_graphs: bool = False):
-    """A StreamingBackend over emulated engines "built" with these profile limits; returns (backend, manifest)."""
-    from dspark.trt.stream import StreamingBackend
-
-    man = Manifest.read(Path(folder))
-    man.tensorrt = {"max_batch": max_batch, "max_context": max_context}
+def emulated_backend(folder: Path, max_batch: int = 4, max_context: int = 96,
+                     cuda_graphs: bool = False) -> tuple[TrtBackend, Manifest]:
+    """A TrtBackend over emulated engines "built" with these profile limits; returns (backend, manifest)."""
+    manifest = _engine_manifest(folder, max_batch, max_context)
     cuda = EmulatedCuda()
-    profiles = graph_profiles(man, max_batch, max_context)
-    engines = {name: EmulatedEngine(cuda, folder, man, name, profiles[name]) for name in man.graphs}
-    return StreamingBackend(Path(folder), man, engines=engines, cuda=cuda, cuda_graphs=cuda_graphs), man
+    profiles = graph_profiles(manifest, max_batch, max_context)
+    engines = {name: EmulatedEngine(cuda, folder, manifest, name, profiles[name]) for name in manifest.graphs}
+    return TrtBackend(Path(folder), manifest, engines=engines, cuda=cuda, cuda_graphs=cuda_graphs), manifest
+
+
+def _engine_manifest(folder: Path, max_batch: int, max_context: int) -> Manifest:
+    """The bundle's manifest with the `tensorrt` section a build with these limits would record."""
+    manifest = Manifest.read(Path(folder))
+    manifest.tensorrt = {"max_batch": max_batch, "max_context": max_context}
+    return manifest
 
 
 class DeviceOrtEngine(EmulatedEngine):
     """For bench/device_check.sh: the same ONNX Runtime engine over REAL device memory (synchronous copies), so the
-    streaming backend's cuda-python calls and kernels run on the GPU while the graphs run on the CPU."""
+    TensorRT backend's cuda-python calls and kernels run on the GPU while the graphs run on the CPU."""
 
     def read(self, ptr: int, shape, dtype) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
@@ -244,15 +259,12 @@ class DeviceOrtEngine(EmulatedEngine):
         self.cuda.sync_stream(self.stream)
 
 
-def device_ort_backend(cuda, folder: Path, max_batch: int = 4, max_context: int = 96):
-    """A StreamingBackend on the real device (cuda: dspark.trt.cuda.CudaRuntime) with ONNX Runtime engines."""
-    from dspark.trt.stream import StreamingBackend
-
-    man = Manifest.read(Path(folder))
-    man.tensorrt = {"max_batch": max_batch, "max_context": max_context}
-    profiles = graph_profiles(man, max_batch, max_context)
-    engines = {name: DeviceOrtEngine(cuda, folder, man, name, profiles[name]) for name in man.graphs}
-    backend = StreamingBackend(Path(folder), man, engines=engines, cuda=cuda)
+def device_ort_backend(cuda, folder: Path, max_batch: int = 4, max_context: int = 96) -> tuple[TrtBackend, Manifest]:
+    """A TrtBackend on the real device (cuda: dspark.trt.cuda.CudaRuntime) with ONNX Runtime engines."""
+    manifest = _engine_manifest(folder, max_batch, max_context)
+    profiles = graph_profiles(manifest, max_batch, max_context)
+    engines = {name: DeviceOrtEngine(cuda, folder, manifest, name, profiles[name]) for name in manifest.graphs}
+    backend = TrtBackend(Path(folder), manifest, engines=engines, cuda=cuda)
     for engine in engines.values():
         engine.stream = backend.device.compute
-    return backend, man
+    return backend, manifest

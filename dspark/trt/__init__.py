@@ -1,2 +1,4 @@
-"""TensorRT build and GPU runtime. Everything importing tensorrt or cuda-python is import-guarded; the pure
-logic (profiles, version gates, buffer planning) has no GPU dependency and is unit-tested everywhere."""
+"""The TensorRT side of dspark: engine builds (build, profiles, versions), the GPU backend of dspark.runtime
+(backend, engine, state, memory, cuda) and the GPU checks of `dspark doctor`. tensorrt and cuda-python are imported
+on first use, so every module imports without them; profiles and version gates are pure logic, unit-tested
+everywhere."""

@@ -8,54 +8,68 @@ from pathlib import Path
 import numpy as np
 
 from dspark.bundle import Manifest
+from dspark.export.check import CAPTURE, CHECK_DIR, _compare
+from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.backend import Backend, create_backend
+from dspark.trt.backend import TrtBackend
+from dspark.trt.engine import load_trt_engines
+from dspark.trt.profiles import pad_capacity
+
+Row = tuple[str, str, str]  # (check, "ok" / "fail", detail)
 
 
-def compare_with_onnxruntime(bundle: Path, man: Manifest | None = None, engines: dict | None = None,
-                             cuda=None) -> list[tuple[str, str, str]]:
+def compare_with_onnxruntime(bundle: Path, manifest: Manifest | None = None, engines: dict | None = None,
+                             cuda=None) -> list[Row]:
     """Engine outputs vs ONNX Runtime on the bundle's recorded inputs (padded to the engines' cache capacity),
-    greedy decoding with the streaming GPU backend (eager and CUDA graphs) vs ONNX Runtime, speed.
+    greedy decoding with the TensorRT backend (eager and CUDA graphs) vs ONNX Runtime, speed.
 
     `engines` and `cuda` default to the bundle's TensorRT engines and cuda-python (the tests pass stand-ins)."""
-    from dspark.export.check import CAPTURE, CHECK_DIR, _compare
-    from dspark.runtime import Runtime
-    from dspark.runtime.ort_backend import OrtBackend
-    from dspark.trt.profiles import pad_capacity
-    from dspark.trt.stream import StreamingBackend, load_trt_engines
-
     bundle = Path(bundle)
-    man = man or Manifest.read(bundle)
-    engines = engines or load_trt_engines(bundle, man)  # the plugin library and the engines, loaded once
-    gpu = StreamingBackend(bundle, man, engines=engines, cuda=cuda)
-    ort_backend = OrtBackend(bundle, man)
-    capacity = int(man.tensorrt["max_context"])
-    out, rows = [], []
+    manifest = manifest or Manifest.read(bundle)
+    engines = engines or load_trt_engines(bundle, manifest)  # the plugin library and the engines, loaded once
+    eager = TrtBackend(bundle, manifest, engines=engines, cuda=cuda)
+    reference = create_backend("onnxruntime", bundle, manifest)
+    graphs = TrtBackend(bundle, manifest, engines=engines, cuda=cuda, cuda_graphs=True)
+    return [engine_parity(bundle, manifest, eager, reference),
+            *greedy_decoding(bundle, {"onnxruntime": reference, "tensorrt": eager, "tensorrt+graphs": graphs})]
+
+
+def engine_parity(bundle: Path, manifest: Manifest, backend: Backend, reference: Backend) -> Row:
+    """Every graph's outputs on both backends for each recorded input set, within the export check's tolerance."""
+    capacity = int(manifest.tensorrt["max_context"])
+    rows = []
     for name, count in CAPTURE.items():
         for i in range(count):
             path = bundle / CHECK_DIR / f"{name}_{i}_inputs.npz"
             if not path.exists():
                 continue
-            feeds = pad_capacity(man.graphs[name], dict(np.load(path)), capacity)
-            got = {k: v.numpy() for k, v in getattr(gpu, name).run(feeds).items()}
-            want = {k: v.numpy() for k, v in getattr(ort_backend, name).run(feeds).items()}
+            feeds = pad_capacity(manifest.graphs[name], dict(np.load(path)), capacity)
+            got = {key: value.numpy() for key, value in getattr(backend, name).run(feeds).items()}
+            want = {key: value.numpy() for key, value in getattr(reference, name).run(feeds).items()}
             rows += _compare(name, f"call {i}", got, want)
-    bad = [f"{r.graph}.{r.output} (max abs err {r.max_abs_err:.3g})" for r in rows if not r.passed]
-    out.append(("engine outputs vs ONNX Runtime (Polygraphy)", "fail" if bad else "ok",
-                f"{len(rows) - len(bad)}/{len(rows)} within tolerance" + (f"; off: {', '.join(bad[:4])}" if bad else "")))
+    bad = [f"{row.graph}.{row.output} (max abs err {row.max_abs_err:.3g})" for row in rows if not row.passed]
+    return ("engine outputs vs ONNX Runtime (Polygraphy)", "fail" if bad else "ok",
+            f"{len(rows) - len(bad)}/{len(rows)} within tolerance" + (f"; off: {', '.join(bad[:4])}" if bad else ""))
 
+
+def greedy_decoding(bundle: Path, backends: dict[str, Backend]) -> list[Row]:
+    """The recorded greedy decode on each backend (after a warm-up: allocations, profiles, graph capture): tokens
+    equal to ONNX Runtime's, and the speed."""
     expected = json.loads((bundle / CHECK_DIR / "expected.json").read_text())
     prompt, n = expected["prompt_ids"], expected["max_new_tokens"]
     runs = {}
-    graphs = StreamingBackend(bundle, man, engines=engines, cuda=cuda, cuda_graphs=True)
-    for label, backend in (("onnxruntime", ort_backend), ("tensorrt", gpu), ("tensorrt+graphs", graphs)):
-        rt = Runtime(bundle, backend=backend)
-        rt.generate([prompt], max_new_tokens=4)  # warm-up: allocations, profiles, graph capture
-        t0 = time.perf_counter()
-        res = rt.generate([prompt], max_new_tokens=n)[0]
-        runs[label] = (res.token_ids, len(res.token_ids) / (time.perf_counter() - t0))
+    for label, backend in backends.items():
+        runtime = Runtime(bundle, backend=backend)
+        runtime.generate([prompt], DecodeOptions(max_new_tokens=4))
+        start = time.perf_counter()
+        result = runtime.generate([prompt], DecodeOptions(max_new_tokens=n))[0]
+        runs[label] = (result.token_ids, len(result.token_ids) / (time.perf_counter() - start))
+    out = []
     for label in ("tensorrt", "tensorrt+graphs"):
         same = runs[label][0] == runs["onnxruntime"][0]
         out.append((f"greedy token equality, {label} vs ONNX Runtime", "ok" if same else "fail",
                     f"{len(runs[label][0])} tokens {'identical' if same else 'DIFFER'}"))
-    out.append(("TensorRT decode speed", "ok", f"{runs['tensorrt'][1]:.1f} tok/s eager, {runs['tensorrt+graphs'][1]:.1f} "
-                f"tok/s with CUDA graphs (streaming backend, batch 1) vs ONNX Runtime {runs['onnxruntime'][1]:.1f}"))
+    speed = {label: f"{tokens_per_s:.1f}" for label, (_, tokens_per_s) in runs.items()}
+    out.append(("TensorRT decode speed", "ok", f"{speed['tensorrt']} tok/s eager, {speed['tensorrt+graphs']} tok/s "
+                f"with CUDA graphs (TensorRT backend, batch 1) vs ONNX Runtime {speed['onnxruntime']}"))
     return out

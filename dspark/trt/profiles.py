@@ -23,37 +23,40 @@ class Profile:
 
 def _resolve(spec: GraphSpec, axes: dict[str, tuple[int, int, int]]) -> dict:
     shapes = {}
-    for t in spec.inputs:
+    for tensor in spec.inputs:
         lo, opt, hi = [], [], []
-        for d in t.shape:
-            if isinstance(d, int):
-                lo.append(d), opt.append(d), hi.append(d)
-            elif d in axes:
-                a, b, c = axes[d]
-                lo.append(a), opt.append(b), hi.append(c)
+        for dim in tensor.shape:
+            if isinstance(dim, int):
+                bounds = (dim, dim, dim)
+            elif dim in axes:
+                bounds = axes[dim]
             else:
-                raise DSparkError(f"{spec.file}: input {t.name} has dynamic axis {d!r} no profile covers")
-        shapes[t.name] = (tuple(lo), tuple(opt), tuple(hi))
+                raise DSparkError(f"{spec.file}: input {tensor.name} has dynamic axis {dim!r} no profile covers")
+            for values, bound in zip((lo, opt, hi), bounds):
+                values.append(bound)
+        shapes[tensor.name] = (tuple(lo), tuple(opt), tuple(hi))
     return shapes
 
 
-def graph_profiles(man: Manifest, max_batch: int, max_context: int, opt_batch: int | None = None) -> dict[str, list[Profile]]:
+def graph_profiles(manifest: Manifest, max_batch: int, max_context: int,
+                   opt_batch: int | None = None) -> dict[str, list[Profile]]:
     if max_batch < 1 or max_context < 2:
         raise DSparkError("max_batch must be >= 1 and max_context >= 2")
-    if max_context > man.max_context:
-        raise DSparkError(f"--max-context {max_context} exceeds the bundle's max context {man.max_context}")
-    bk = man.block_size
-    ob = opt_batch or max(1, min(max_batch, 8))
-    cap = (max_context, max_context, max_context)
-    batch = (1, ob, max_batch)
-    sps_len = max_batch * (bk + 1)
-    verifier = man.graphs["verifier"]
+    if max_context > manifest.max_context:
+        raise DSparkError(f"--max-context {max_context} exceeds the bundle's max context {manifest.max_context}")
+    block = manifest.block_size
+    opt_batch = opt_batch or max(1, min(max_batch, 8))
+    capacity = (max_context, max_context, max_context)
+    batch = (1, opt_batch, max_batch)
+    sps_len = max_batch * (block + 1)
+    verifier = manifest.graphs["verifier"]
     prefill = _resolve(verifier, {"batch": batch, "seq": (1, min(128, max_context), max_context),
-                                  "capacity": cap, "rows": (1, 1, 1), "draft_rows": (1, 1, bk)})
-    verify = _resolve(verifier, {"batch": batch, "seq": (1, bk + 1, bk + 1), "capacity": cap,
-                                 "rows": (1, bk + 1, bk + 1), "draft_rows": (1, bk, bk)})
-    draft = _resolve(man.graphs["draft"], {"batch": batch, "ctx": (1, bk + 1, max_context), "capacity": cap})
-    heads = _resolve(man.graphs["heads"], {"batch": batch, "sps": (1, sps_len, sps_len)})
+                                  "capacity": capacity, "rows": (1, 1, 1), "draft_rows": (1, 1, block)})
+    verify = _resolve(verifier, {"batch": batch, "seq": (1, block + 1, block + 1), "capacity": capacity,
+                                 "rows": (1, block + 1, block + 1), "draft_rows": (1, block, block)})
+    draft = _resolve(manifest.graphs["draft"], {"batch": batch, "ctx": (1, block + 1, max_context),
+                                                "capacity": capacity})
+    heads = _resolve(manifest.graphs["heads"], {"batch": batch, "sps": (1, sps_len, sps_len)})
     return {"verifier": [Profile("prefill", prefill), Profile("verify", verify)],
             "draft": [Profile("step", draft)], "heads": [Profile("step", heads)]}
 
@@ -65,14 +68,14 @@ def pad_capacity(spec: GraphSpec, feeds: dict, capacity: int) -> dict:
     ONNX Runtime (any capacity) be replayed on engines whose caches are bound at --max-context.
     """
     out = dict(feeds)
-    for t in spec.inputs:
-        if "capacity" not in t.shape or t.name not in feeds:
+    for tensor in spec.inputs:
+        if "capacity" not in tensor.shape or tensor.name not in feeds:
             continue
-        arr = np.asarray(feeds[t.name])
-        axis = t.shape.index("capacity")
-        if arr.shape[axis] > capacity:
-            raise DSparkError(f"{t.name} holds {arr.shape[axis]} positions, the engines {capacity}")
-        widths = [(0, 0)] * arr.ndim
-        widths[axis] = (0, capacity - arr.shape[axis])
-        out[t.name] = np.pad(arr, widths)
+        array = np.asarray(feeds[tensor.name])
+        axis = tensor.shape.index("capacity")
+        if array.shape[axis] > capacity:
+            raise DSparkError(f"{tensor.name} holds {array.shape[axis]} positions, the engines {capacity}")
+        widths = [(0, 0)] * array.ndim
+        widths[axis] = (0, capacity - array.shape[axis])
+        out[tensor.name] = np.pad(array, widths)
     return out

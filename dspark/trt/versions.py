@@ -1,4 +1,5 @@
-"""Which TensorRT Python API a build uses (pure logic: tested against version strings, no TensorRT import).
+"""The TensorRT package: importing it (an optional dependency) and which Python API a build uses (pure logic,
+tested against version strings without TensorRT).
 
 TensorRT 10: networks are explicit-batch by default (the EXPLICIT_BATCH flag is deprecated), precision is chosen
 with builder flags (FP16/BF16) on a weakly typed network, or the network is strongly typed.
@@ -8,11 +9,25 @@ flags are gone, so fp16/bf16 engines are built from graphs whose tensors were ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 from dspark.errors import DSparkError
+from dspark.lazy import optional_import
 
 SUPPORTED_MAJORS = (10, 11)
 PRECISIONS = ("fp32", "fp16", "bf16")
+TENSORRT_HINT = "install TensorRT 10 or 11 for your CUDA version"
+
+
+def import_tensorrt() -> ModuleType:
+    """tensorrt, or one DSparkError line: also when the package is there but cannot load its libraries."""
+    try:
+        return optional_import("tensorrt", TENSORRT_HINT)
+    except DSparkError:
+        raise
+    except Exception as e:  # e.g. the pip package failing to find or fetch libnvinfer
+        first = str(e).splitlines()[0][:120] if str(e) else ""
+        raise DSparkError(f"TensorRT is not usable here ({type(e).__name__}: {first}); {TENSORRT_HINT}") from None
 
 
 @dataclass(frozen=True)

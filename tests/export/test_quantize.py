@@ -9,7 +9,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.check import check_bundle
 from dspark.export.quantize import quantize_graph
-from dspark.runtime import Runtime
+from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
 from test_bundle_tiny import PROMPT, SAMPLES, V, _bundle_samples, prompts
 
@@ -36,8 +36,8 @@ def test_heads_become_matmulnbits_and_the_manifest_says_so(quantized):
 def test_quantized_heads_keep_greedy_output_and_check_passes(quantized):
     _, original, q, _ = quantized
     ps = prompts(8, seed=5)
-    want = [r.token_ids for r in Runtime(original).generate(ps, max_new_tokens=20, ar=True)]
-    got = Runtime(q).generate(ps, max_new_tokens=20)
+    want = [r.token_ids for r in Runtime(original).generate(ps, DecodeOptions(max_new_tokens=20, policy="ar"))]
+    got = Runtime(q).generate(ps, DecodeOptions(max_new_tokens=20))
     assert [r.token_ids for r in got] == want
     rep = check_bundle(q)
     assert rep.passed
@@ -96,4 +96,4 @@ def test_quantize_a_bundle_copied_with_hard_links(tiny_bundle_v6, tmp_path):
     quantize_graph(linked, "heads", min_elements=0)
     assert "heads" in Manifest.read(linked).quantized
     assert {f.name: sha256_file(f) for f in src.iterdir() if f.is_file()} == before
-    assert Runtime(linked).generate([[1, 2, 3]], max_new_tokens=4)[0].token_ids
+    assert Runtime(linked).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids

@@ -8,7 +8,7 @@ import pytest
 
 from support.prompts import dev_prompts
 from dspark.models.reference import generate_ar
-from dspark.runtime import Runtime
+from dspark.runtime import DecodeOptions, Runtime
 
 pytestmark = pytest.mark.integration  # the real SmolLM2-135M-Instruct target
 
@@ -32,8 +32,8 @@ def test_ort_dspark_equals_ort_ar_equals_pytorch_reference(smollm2, smollm2_bund
     rt = Runtime(smollm2_bundle)
     ids = [rt.encode(p) for p in dev_prompts(N_PROMPTS, stride=10)]
     assert len(ids) == N_PROMPTS
-    ds = rt.generate(ids, max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS)
-    ar = rt.generate(ids, max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS, ar=True)
+    ds = rt.generate(ids, DecodeOptions(max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS))
+    ar = rt.generate(ids, DecodeOptions(max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS, policy="ar"))
     ref = generate_ar(pair.target, ids, NEW_TOKENS, stop_ids=tuple(rt.manifest.stop_token_ids))
     for d, a, r in zip(ds, ar, ref):
         assert a.token_ids == r.token_ids

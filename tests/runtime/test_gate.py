@@ -70,41 +70,44 @@ def test_gate_rescales_a_stale_table_by_measured_verifier_steps():
 
 
 def test_parse_policy_takes_the_gate_suffix():
-    from dspark.runtime.bench import parse_policy
+    from dspark.runtime.scheduler import VerifyPolicy
 
-    policy, ar = parse_policy("schedule+gate")
-    assert policy.kind == "schedule" and policy.gate and not ar
-    assert parse_policy("fixed:3+gate")[0].gamma == 3
-    assert not parse_policy("topk")[0].gate
-    for bad in ("ar+gate", "fixed:1+fast"):
+    policy = VerifyPolicy.parse("schedule+gate")
+    assert policy.kind == "schedule" and policy.gate and not policy.is_ar
+    assert VerifyPolicy.parse("ar").is_ar
+    assert VerifyPolicy.parse("fixed:3+gate").gamma == 3
+    assert not VerifyPolicy.parse("topk").gate
+    for text in ("ar", "all", "fixed:3+gate", "static:0.4", "schedule+gate", "topk"):
+        assert str(VerifyPolicy.parse(text)) == text
+    for bad in ("ar+gate", "fixed:1+fast", "schedule:2"):
         with pytest.raises(DSparkError):
-            parse_policy(bad)
+            VerifyPolicy.parse(bad)
 
 
 def test_gate_without_sps_table_is_a_clear_error(tiny_bundle_v6):
-    from dspark.runtime import Runtime
+    from dspark.runtime import DecodeOptions, Runtime
     from dspark.runtime.scheduler import VerifyPolicy
 
     rt = Runtime(tiny_bundle_v6[3])
     if rt.manifest.calibration.get("sps_table"):
         pytest.skip("the tiny bundle carries an SPS table")
     with pytest.raises(DSparkError, match="SPS table"):
-        rt.decoder([[1, 2]], policy=VerifyPolicy("all", gate=True))
+        rt.decoder([[1, 2]], DecodeOptions(policy=VerifyPolicy("all", gate=True)))
 
 
 def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_v6):
     """A verifier that costs nothing makes every draft a loss: the gate skips all rounds but its probes. Greedy
     tokens must equal AR's, and the draft cache, fed several positions at once after skipped rounds, must hold
     the same entries as when the draft consumes each round's features."""
-    from dspark.runtime import Runtime
+    from dspark.runtime import DecodeOptions, Runtime
     from dspark.runtime.scheduler import VerifyPolicy
 
     rt = Runtime(tiny_bundle_v6[3])
     prompt = [[1, 4, 2, 0, 3]]
     free = np.full(64, 1e9, dtype=np.float32)
-    ar = rt.generate(prompt, max_new_tokens=40, ar=True)[0].token_ids
-    plain = rt.decoder(prompt, max_new_tokens=40)
-    gated = rt.decoder(prompt, max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
+    ar = rt.generate(prompt, DecodeOptions(max_new_tokens=40, policy="ar"))[0].token_ids
+    plain = rt.decoder(prompt, DecodeOptions(max_new_tokens=40))
+    gated = rt.decoder(prompt, DecodeOptions(max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free)))
     gated.gate.live_scale = False  # keep the table's free verifier: measured steps would make it cost something
     for dec in (plain, gated):
         for _ in dec:
@@ -112,6 +115,6 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
         assert dec.results[0].token_ids == ar
     assert 2 <= gated.times.drafted < gated.times.rounds
     assert any(p == 0 for p in gated.results[0].proposed)
-    n = int(min(plain.dkv.lengths[0], gated.dkv.lengths[0]))
+    n = int(min(plain.draft_kv.lengths[0], gated.draft_kv.lengths[0]))
     assert n > len(prompt[0]) + 10
-    np.testing.assert_allclose(gated.dkv.buffer[:, :, 0, :, :n], plain.dkv.buffer[:, :, 0, :, :n], atol=1e-5)
+    np.testing.assert_allclose(gated.draft_kv.buffer[:, :, 0, :, :n], plain.draft_kv.buffer[:, :, 0, :, :n], atol=1e-5)

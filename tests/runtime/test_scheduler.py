@@ -119,7 +119,7 @@ PROMPT = [1, 4, 2, 0]
 
 @pytest.mark.parametrize("kind", ["schedule", "topk"])
 def test_bundle_sampling_is_lossless_with_scheduling(tiny_bundle_v6, kind):
-    from dspark.runtime import Runtime
+    from dspark.runtime import DecodeOptions, Runtime
     from dspark.runtime.scheduler import VerifyPolicy
 
     hf, target, drafter, path = tiny_bundle_v6
@@ -127,8 +127,8 @@ def test_bundle_sampling_is_lossless_with_scheduling(tiny_bundle_v6, kind):
     n = np.arange(1, batch * 4 + 2)
     sps = np.exp(-0.3 / batch * np.maximum(n - batch, 0)).astype(np.float32)  # admit drafts with a > ~0.3
     rt = Runtime(path)
-    dec = rt.decoder([PROMPT] * SAMPLES, max_new_tokens=3, temperature=1.0, seed=77, batch_size=batch,
-                     policy=VerifyPolicy(kind, sps=sps, layout=ref.FLAT))
+    dec = rt.decoder([PROMPT] * SAMPLES, DecodeOptions(max_new_tokens=3, temperature=1.0, seed=77, batch_size=batch,
+                                                       policy=VerifyPolicy(kind, sps=sps, layout=ref.FLAT)))
     for _ in dec:
         pass
     stop = set(rt.manifest.stop_token_ids)
@@ -152,7 +152,7 @@ def test_cuda_kernel_compiles_for_sm80_and_sm90(tmp_path):
 
 
 def test_flat_time_ratio_follows_the_cost_curve():
-    from dspark.runtime.bench import flat_time_ratio
+    from dspark.runtime.measure import flat_time_ratio
 
     flat_cost = [10.0] * 16  # steps/s independent of the token count: flattening saves nothing
     assert flat_time_ratio([8, 16], [3, 5], flat_cost) == pytest.approx(1.0)
@@ -163,7 +163,7 @@ def test_flat_time_ratio_follows_the_cost_curve():
 
 def test_batch_run_counts_padded_and_useful_positions(tiny_bundle_v6):
     from dspark.runtime import Runtime
-    from dspark.runtime.bench import run_batch
+    from dspark.runtime.measure import run_batch
 
     rt = Runtime(tiny_bundle_v6[3])
     prompts = [[1, 2, 3], [4, 0], [2, 2, 1, 5, 3], [0]]

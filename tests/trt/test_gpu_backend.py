@@ -1,19 +1,21 @@
-"""The GPU backend (dspark.trt.stream) on CPU, through dspark/testing/gpu_emulator.py: device-resident caches, cache
-appends by row scatter, bound-once buffers, pinned double-buffered host I/O, CUDA-graph replay, profile limits.
+"""The GPU backend (dspark.trt.backend.TrtBackend) on CPU, through dspark.testing.gpu_emulator: device-resident
+caches, cache appends by row scatter, bound-once buffers, pinned double-buffered host I/O, CUDA-graph replay, profile
+limits.
 The real CUDA/TensorRT run is bench/device_check.sh and `dspark doctor`; this checks our side of the contract."""
 import numpy as np
 import pytest
-from dspark.testing.gpu_emulator import emulated_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.ops.scatter_rows.reference import scatter_rows
+from dspark.runtime import DecodeOptions
 from dspark.runtime.decoder import Decoder
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.scheduler import VerifyPolicy
-from dspark.trt.stream import disjoint_waves
+from dspark.testing.gpu_emulator import emulated_backend
+from dspark.trt.state import disjoint_waves
 
 PROMPTS = [[1, 4, 2, 0, 3], [5, 2], [5, 1, 1, 3, 0, 0, 2, 4], [3], [0, 4, 4, 1]]
 
@@ -23,15 +25,15 @@ def bundle(tiny_bundle_v6):
     return tiny_bundle_v6[3]
 
 
-def decode(backend, man, prompts=PROMPTS, **kw):
-    dec = Decoder(backend, man, prompts, kw.pop("max_new_tokens", 24), **kw)
+def decode(backend, man, prompts=PROMPTS, **options):
+    dec = Decoder(backend, man, prompts, DecodeOptions(**{"max_new_tokens": 24, **options}))
     for _ in dec:
         pass
     return dec
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_streaming_backend_decodes_like_onnxruntime(bundle, temperature):
+def test_trt_backend_decodes_like_onnxruntime(bundle, temperature):
     """Five requests through three slots (admission while others decode), greedy and sampled: same tokens, same
     target features, and the device caches hold what the host caches hold."""
     host = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), temperature=temperature, seed=4,
@@ -42,7 +44,7 @@ def test_streaming_backend_decodes_like_onnxruntime(bundle, temperature):
     assert len({tuple(r.token_ids) for r in host.results}) > 2
     for a, b in zip(dev.results, host.results):
         np.testing.assert_allclose(np.concatenate(a.taps), np.concatenate(b.taps), atol=1e-3)
-    for d, h in ((dev.kv, host.kv), (dev.dkv, host.dkv)):
+    for d, h in ((dev.kv, host.kv), (dev.draft_kv, host.draft_kv)):
         assert np.array_equal(d.lengths, h.lengths)
         cache = backend.device.cuda.view(d.ptr, d.shape, np.float32)
         for slot, n in enumerate(h.lengths):
@@ -53,7 +55,7 @@ def test_steady_state_binds_nothing_and_replays_cuda_graphs(bundle):
     backend, man = emulated_backend(bundle, max_batch=2, max_context=96, cuda_graphs=True)
     want = decode(*emulated_backend(bundle, max_batch=2, max_context=96), prompts=PROMPTS[:2], max_new_tokens=40)
     cuda = backend.device.cuda
-    dec = Decoder(backend, man, PROMPTS[:2], 40)
+    dec = Decoder(backend, man, PROMPTS[:2], DecodeOptions(max_new_tokens=40))
     it = iter(dec)
     for _ in range(12):  # prefill and the first rounds: buffers allocated, shapes seen, graphs captured
         next(it)
@@ -99,24 +101,24 @@ def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
     device rows grow and the tokens stay exact."""
     backend, man = emulated_backend(bundle, max_batch=1, max_context=96)
     ar = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40,
-                ar=True)
+                policy="ar")
     free = np.full(64, 1e9, dtype=np.float32)
     gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
     assert gated.results[0].token_ids == ar.results[0].token_ids
     assert 2 <= gated.times.drafted < gated.times.rounds
     assert gated.ctx.width > man.block_size + 1
     plain = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40)
-    n = int(min(plain.dkv.lengths[0], gated.dkv.lengths[0]))  # the draft saw every position's features
+    n = int(min(plain.draft_kv.lengths[0], gated.draft_kv.lengths[0]))  # the draft saw every position's features
     assert n > len(PROMPTS[0]) + 10
-    cache = backend.device.cuda.view(gated.dkv.ptr, gated.dkv.shape, np.float32)
-    np.testing.assert_allclose(cache[:, :, 0, :, :n], plain.dkv.buffer[:, :, 0, :, :n], atol=1e-5)
+    cache = backend.device.cuda.view(gated.draft_kv.ptr, gated.draft_kv.shape, np.float32)
+    np.testing.assert_allclose(cache[:, :, 0, :, :n], plain.draft_kv.buffer[:, :, 0, :, :n], atol=1e-5)
 
 
 def test_engine_limits_are_clear_errors(bundle):
     backend, man = emulated_backend(bundle, max_batch=2, max_context=24)
     with pytest.raises(DSparkError, match="too long"):
-        Decoder(backend, man, [[1] * 30], 4)
-    dec = Decoder(backend, man, PROMPTS, 4, batch_size=8)
+        Decoder(backend, man, [[1] * 30], DecodeOptions(max_new_tokens=4))
+    dec = Decoder(backend, man, PROMPTS, DecodeOptions(max_new_tokens=4, batch_size=8))
     assert dec.batch == 2  # the engines hold two requests at a time; the others wait for a slot
     with pytest.raises(DSparkError, match="context overflow"):
         decode(backend, man, [[1] * 12], max_new_tokens=40)
@@ -171,8 +173,8 @@ def test_pingpong_micro_batches_on_two_lanes_give_the_same_tokens(bundle, temper
 
     backend, man = emulated_backend(bundle, max_batch=2, max_context=96)
     single = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), temperature=temperature, seed=9)
-    run = generate_pingpong(Rt(backend, man), PROMPTS, micro_batches=2, max_new_tokens=24, temperature=temperature,
-                            seed=9)
+    run = generate_pingpong(Rt(backend, man), PROMPTS, micro_batches=2,
+                            options=DecodeOptions(max_new_tokens=24, temperature=temperature, seed=9))
     assert run.lanes == 2 and run.tokens_per_s > 0
     assert [r.token_ids for r in run.results] == [r.token_ids for r in single.results]
     with pytest.raises(DSparkError, match="no lanes"):
@@ -193,7 +195,7 @@ def test_device_runtime_check_script_runs_emulated(bundle, tmp_path):
     assert res["scatter_mismatches"] == 0 and res["tokens_equal_T1"] and res["graph_replay_ok"]
 
 
-def test_sps_profile_runs_on_the_streaming_backend(bundle):
+def test_sps_profile_runs_on_the_trt_backend(bundle):
     """`dspark calibrate --sps --backend tensorrt`: the table comes from the engines at their fixed capacity."""
     from dspark.calibration.sps import profile
 

@@ -1,11 +1,10 @@
-"""TensorRT-path logic that needs neither TensorRT nor a GPU: profiles, version gates, buffer plan, ping-pong."""
+"""TensorRT-path logic that needs neither TensorRT nor a GPU: profiles, version gates, capacity padding."""
 import importlib.util
 
 import pytest
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.trt.buffers import pingpong_schedule, plan_buffers, simulate
 from dspark.trt.profiles import graph_profiles
 from dspark.trt.versions import TrtApi
 
@@ -47,32 +46,6 @@ def test_version_gates():
             TrtApi.parse(bad)
     with pytest.raises(DSparkError, match="precision"):
         t10.plan("int4")
-
-
-def test_buffer_plan(manifest):
-    plan = plan_buffers(manifest, graph_profiles(manifest, max_batch=4, max_context=64))
-    names = {(b.graph, b.name) for b in plan.buffers}
-    assert ("verifier", "past.0.key") in names and ("heads", "draft_probs") in names
-    probs = next(b for b in plan.buffers if b.name == "draft_probs" and b.graph == "heads")
-    assert probs.shape == (4, manifest.block_size, manifest.target["vocab_size"]) and not probs.host_visible
-    assert plan.pinned_bytes == 2 * sum(b.nbytes for b in plan.buffers if b.host_visible)
-    assert plan.pinned_bytes < plan.device_bytes
-
-
-def test_pingpong_hides_copies_behind_the_other_micro_batch():
-    ops = pingpong_schedule(6)
-    for i, op in enumerate(ops):
-        assert all(d < i for d in op.waits_for)
-        if op.kind == "engines":  # a step's engines wait for its own inputs
-            assert any(ops[d].kind == "h2d" and ops[d].micro_batch == op.micro_batch and ops[d].step == op.step
-                       for d in op.waits_for)
-        if op.kind == "h2d" and op.step >= 2:  # a pinned slot is reused only after its last results were read
-            assert any(ops[d].kind == "host" and ops[d].slot == op.slot and ops[d].step == op.step - 2
-                       for d in op.waits_for)
-    timing = simulate(ops, {"h2d": 0.1, "engines": 1.0, "d2h": 0.1, "host": 0.05})
-    assert timing["hidden_fraction"] > 0.8
-    serial = 6 * 2 * (0.1 + 1.0 + 0.1 + 0.05)
-    assert timing["makespan"] < 0.85 * serial
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None, reason="TensorRT is not installed")

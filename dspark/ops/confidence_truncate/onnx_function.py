@@ -45,7 +45,6 @@ def ConfidenceTruncate(survival: FLOAT, threshold: FLOAT, sps: FLOAT, budget: IN
     valid = op.Greater(values, zero_f)
     n_live = op.ReduceSum(op.Cast(active, to=INT64.dtype), axis0, keepdims=0)
     n_live_f = op.Cast(n_live, to=FLOAT.dtype)
-
     # batch tokens after admitting candidates 0..i: FLAT R + i + 1, PADDED R * (1 + running max of j + 1)
     steps = op.Range(op.Constant(value_int=0), m, one_i)
     flat_cost = op.Add(op.Add(n_live, steps), one_i)
@@ -68,7 +67,6 @@ def ConfidenceTruncate(survival: FLOAT, threshold: FLOAT, sps: FLOAT, budget: IN
                                                                                 op.Constant(value_ints=[-1])), axis=0)
     improves = op.And(op.And(valid, in_table), op.Greater(theta, previous))
     lead = op.Equal(op.CumSum(op.Cast(op.Not(improves), to=FLOAT.dtype), op.Constant(value_int=0)), zero_f)
-
     # mode 2: the `budget` best candidates
     in_budget = op.And(op.Less(steps, op.Reshape(budget, op.Constant(value_ints=[-1]))), valid)
 

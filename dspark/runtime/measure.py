@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dspark.errors import DSparkError
 from dspark.runtime.gate import step_seconds
+from dspark.runtime.options import DecodeOptions
 from dspark.runtime.scheduler import VerifyPolicy
 
 
@@ -32,32 +32,11 @@ class BatchRun:
         return asdict(self)
 
 
-def parse_policy(text: str) -> tuple[VerifyPolicy | None, bool]:
-    """'ar', 'all', 'fixed:3', 'static:0.4', 'schedule', 'topk', each but 'ar' optionally with '+gate'
-    -> (policy, ar)."""
-    body, plus, extra = text.partition("+")
-    if plus and extra != "gate":
-        raise DSparkError(f"bad policy {text!r}: the only suffix is '+gate'")
-    name, _, arg = body.partition(":")
-    if name == "ar":
-        if plus:
-            raise DSparkError("'ar' never drafts, so it takes no '+gate'")
-        return None, True
-    try:
-        if name == "fixed":
-            return VerifyPolicy("fixed", gamma=int(arg), gate=bool(plus)), False
-        if name == "static":
-            return VerifyPolicy("static", threshold=float(arg), gate=bool(plus)), False
-    except ValueError:
-        raise DSparkError(f"bad policy {text!r}: fixed:N takes an integer, static:T a number") from None
-    return VerifyPolicy(name, gate=bool(plus)), False
-
-
-def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tokens: int = 64,
+def run_batch(rt, prompts: list, concurrency: int, policy: VerifyPolicy | str, max_new_tokens: int = 64,
               temperature: float = 0.0, seed: int = 0) -> BatchRun:
-    policy, ar = parse_policy(policy_text)
-    dec = rt.decoder(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                     batch_size=concurrency, ar=ar, policy=policy)
+    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
+                            batch_size=concurrency)
+    dec = rt.decoder(prompts, options)
     t0 = time.perf_counter()
     for _ in dec:
         pass
@@ -65,7 +44,7 @@ def run_batch(rt, prompts: list, concurrency: int, policy_text: str, max_new_tok
     tokens = sum(len(r.token_ids) for r in dec.results)
     proposed = [p for r in dec.results for p in r.proposed]
     committed = [c for r in dec.results for c in r.committed]
-    return BatchRun(policy=policy_text, concurrency=concurrency, requests=len(prompts), tokens=tokens,
+    return BatchRun(policy=str(options.policy), concurrency=concurrency, requests=len(prompts), tokens=tokens,
                     seconds=seconds, tokens_per_s=tokens / seconds,
                     per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in dec.results])),
                     tau=float(np.mean(committed)) if committed else 1.0,
