@@ -2,21 +2,24 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark.lazy import optional_import  # noqa: E402  (after the path to this checkout)
+from dspark.prompts import dev_prompts_path, read_prompts  # noqa: E402
+
 
 def dev_rows(path: str | None, per_domain: int | None = None, limit: int | None = None) -> list[dict]:
-    from dspark.cli import default_dev_prompts, read_prompts
-
-    rows = read_prompts(Path(path) if path else default_dev_prompts())
+    rows = read_prompts(Path(path) if path else dev_prompts_path())
     if per_domain:
         seen: dict[str, int] = {}
         picked = []
@@ -45,8 +48,6 @@ def position_acceptance(results, block: int) -> dict:
 
 
 def machine() -> dict:
-    import os
-
     return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "processor": platform.processor() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -58,6 +59,14 @@ def write_json(path: str | Path, obj: dict) -> Path:
     return path
 
 
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot drawing to files only (the Agg backend)."""
+    optional_import("matplotlib", "pip install matplotlib").use("Agg")
+    return optional_import("matplotlib.pyplot", "pip install matplotlib")
+
+
+# The training benches' inputs. Their imports stay inside: the runtime benches share this module and must not load
+# torch (cpu_decode measures the torch-free runtime).
 def training_inputs(target_name: str, data: str | Path, seed: int = 42, **drafter_kw):
     """What the training benches start from, as `dspark train` builds it: the target, a random drafter over it, and
     the response cache split into training and held-out samples (the trainer's seeded split)."""

@@ -18,7 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import draft_vocab_ids, machine, training_inputs, write_json
+import numpy as np
+import torch
+
+from common import draft_vocab_ids, machine, pyplot, training_inputs, write_json
+from dspark.train.trainer import Trainer, TrainConfig
 
 BASE = dict(layers=2, markov_rank=48, block_size=7, data_fraction=1.0)
 CONFIGS = {
@@ -44,11 +48,6 @@ def tau_over(accept_at: list[float], positions: int) -> float:
 
 
 def train_one(args, name: str) -> dict:
-    import numpy as np
-    import torch
-
-    from dspark.train.trainer import Trainer, TrainConfig
-
     torch.set_num_threads(args.threads)
     setting = {**BASE, **CONFIGS[name]}
     loaded, target, drafter, train, held = training_inputs(
@@ -84,11 +83,7 @@ def train_one(args, name: str) -> dict:
 
 
 def plot(runs: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, r in runs.items():
         steps = [p["step"] for p in r["curve"]]

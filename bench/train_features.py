@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from common import machine, write_json
+from dspark.models.target import load_target
+from dspark.train.data import read_responses
 
 
 def main():
@@ -23,11 +26,6 @@ def main():
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--out", default="bench/results/train_features.json")
     args = ap.parse_args()
-
-    import torch
-
-    from dspark.models.target import load_target
-    from dspark.train.data import read_responses
 
     rows = read_responses(Path(args.data) / "responses.jsonl")[:args.sequences]
     tap_ids = tuple(rows[0]["tap_ids"])

@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from common import draft_vocab_ids, machine, training_inputs, write_json
+from common import draft_vocab_ids, machine, pyplot, training_inputs, write_json
+from dspark.train.trainer import Trainer, TrainConfig, bf16_is_fast
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -28,11 +30,7 @@ def window_means(values: list[float], window: int) -> list[float]:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     w = report["window"]
     for prec in PRECISIONS:
@@ -63,10 +61,6 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--out", default="bench/results/train_precision.json")
     args = ap.parse_args()
-
-    import torch
-
-    from dspark.train.trainer import Trainer, TrainConfig, bf16_is_fast
 
     loaded, target, drafter, train, _ = training_inputs(args.target, args.data)
     train = train[:args.sequences]

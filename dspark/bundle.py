@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import DSparkError
+from dspark.files import read_json
 
 FORMAT = "dspark-bundle"
 FORMAT_VERSION = 1
@@ -77,10 +78,7 @@ class Manifest:
             raise DSparkError(f"bundle {folder} not found (run `dspark-export onnx` first)")
         if not path.exists():
             raise DSparkError(f"{folder} is not a dspark bundle: no {MANIFEST}")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DSparkError(f"{path} is not valid JSON ({e})") from None
+        raw = read_json(path)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise DSparkError(f"{path} is not a dspark manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
         if raw.get("format_version") != FORMAT_VERSION:

@@ -5,6 +5,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 from dspark.errors import DSparkError
 
 
@@ -28,8 +31,6 @@ class ChatTokenizer:
     folder: Path
 
     def __post_init__(self):
-        from tokenizers import Tokenizer
-
         path = self.folder / "tokenizer.json"
         if not path.exists():
             raise DSparkError(f"{self.folder} has no tokenizer.json")
@@ -58,8 +59,6 @@ class ChatTokenizer:
         if not self.chat_template:
             return prompt
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
             def raise_exception(msg):
                 raise DSparkError(f"chat template refused the conversation: {msg}")
 

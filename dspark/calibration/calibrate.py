@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from dspark.bundle import Manifest
-from dspark.calibration.sts import Rounds, fit_sts, reliability
+from dspark.calibration.sts import Rounds, fit_sts, reliability, survival
 from dspark.errors import DSparkError
+from dspark.lazy import optional_import
 from dspark.runtime import DecodeOptions, Runtime
 
 
@@ -30,10 +31,10 @@ def collect_rounds(bundle: Path, prompts: list[str], max_new_tokens: int = 256, 
 
 
 def write_manifest_calibration(bundle: Path, temps: np.ndarray, meta: dict) -> None:
-    man = Manifest.read(bundle)
-    man.calibration["sts_temperatures"] = [float(t) for t in temps]
-    man.calibration["sts"] = meta
-    man.write(bundle)
+    manifest = Manifest.read(bundle)
+    manifest.calibration["sts_temperatures"] = [float(t) for t in temps]
+    manifest.calibration["sts"] = meta
+    manifest.write(bundle)
 
 
 def write_draft_temperatures(draft_dir: Path, temps: np.ndarray) -> None:
@@ -46,13 +47,9 @@ def write_draft_temperatures(draft_dir: Path, temps: np.ndarray) -> None:
 
 
 def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path: Path, bins: int = 10) -> None:
-    import matplotlib
-
+    matplotlib = optional_import("matplotlib", "pip install matplotlib, or dspark[export]")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dspark.calibration.sts import survival
-
+    plt = optional_import("matplotlib.pyplot", "pip install matplotlib")
     bk = rounds.conf_logits.shape[1]
     fig, axes = plt.subplots(1, bk, figsize=(2.6 * bk, 2.8), sharey=True)
     axes = np.atleast_1d(axes)

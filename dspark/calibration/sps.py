@@ -31,8 +31,9 @@ def verifier_step_seconds(rt, cache, positions: list[int], reps: int, warmup: in
     `cache` (a KV cache of the runtime's backend whose committed lengths set the context), after `warmup` untimed
     rounds. The counts are timed in turn within each repetition, so drift of the machine's speed (frequent on
     shared VMs) hits them alike and their ratios hold."""
-    man = rt.manifest
-    draft_probs = rt.backend.zeros((len(cache.lengths), man.block_size, man.target["vocab_size"]), dtype=np.float32)
+    manifest = rt.manifest
+    draft_probs = rt.backend.zeros((len(cache.lengths), manifest.block_size, manifest.target["vocab_size"]),
+                                   dtype=np.float32)
     feeds = {n: step_feeds(cache, n, draft_probs) for n in positions}
     times: dict[int, list[float]] = {n: [] for n in positions}
     for rep in range(warmup + reps):
@@ -71,6 +72,6 @@ def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 9) -> dict:
 
 
 def write_sps(bundle: Path, result: dict) -> None:
-    man = Manifest.read(bundle)
-    man.calibration.update(result)
-    man.write(bundle)
+    manifest = Manifest.read(bundle)
+    manifest.calibration.update(result)
+    manifest.write(bundle)

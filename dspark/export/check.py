@@ -13,9 +13,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
+from polygraphy.comparator import Comparator, RunResults
+from polygraphy.comparator.compare import SimpleCompareFunc
+from polygraphy.comparator.struct import IterationResult
+from polygraphy.logger import G_LOGGER
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
+from dspark.export.trt_lint import lint_bundle
+from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 
 CHECK_DIR = "check"
@@ -34,11 +42,6 @@ TOLERANCES = {
 
 
 def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> None:
-    import torch
-
-    from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
-    from dspark.models.reference import generate_ar, generate_dspark
-
     rt = Runtime(bundle)
     captured: dict[str, list[dict]] = {k: [] for k in CAPTURE}
     for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
@@ -109,12 +112,8 @@ class CheckReport:
                 "e2e": self.e2e, "trt_lint": self.lint}
 
 
-def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[CheckRow]:
+def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[CheckRow]:
     """Polygraphy's comparator over the two result sets, with our per-output tolerances."""
-    from polygraphy.comparator import Comparator, RunResults
-    from polygraphy.comparator.compare import SimpleCompareFunc
-    from polygraphy.comparator.struct import IterationResult
-    from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     rtol = {k: TOLERANCES.get(k, (0.0, 0.0))[0] for k in want}
@@ -144,7 +143,7 @@ def _compare(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, 
 
 def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
     bundle = Path(bundle)
-    man = Manifest.read(bundle)
+    manifest = Manifest.read(bundle)
     check_dir = bundle / CHECK_DIR
     if not (check_dir / "expected.json").exists():
         raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (exported with --no-check?); re-export it")
@@ -159,9 +158,9 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
             feeds = dict(np.load(inputs))
             got = {k: v.numpy() for k, v in graph.run(feeds).items()}
             want = dict(np.load(ref))
-            compared = _compare(name, f"call {i}", got, want)
-            if name in man.quantized:  # 8-bit draft weights: errors are reported, losslessness is checked e2e
-                compared = [replace(r, tolerance=f"report only ({man.quantized[name]['bits']}-bit weights)",
+            compared = compare_outputs(name, f"call {i}", got, want)
+            if name in manifest.quantized:  # 8-bit draft weights: errors are reported, losslessness is checked e2e
+                compared = [replace(r, tolerance=f"report only ({manifest.quantized[name]['bits']}-bit weights)",
                                     passed=True) for r in compared]
             rows += compared
     expected = json.loads((check_dir / "expected.json").read_text())
@@ -176,9 +175,8 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
                      "tau": round(res.tau, 3)}
     lint = None
     if trt_lint:
-        from dspark.export.trt_lint import lint_bundle
 
-        lint = [asdict(f) for f in lint_bundle(bundle, man)]
+        lint = [asdict(f) for f in lint_bundle(bundle, manifest)]
     return CheckReport(str(bundle), rows, e2e, lint)
 
 

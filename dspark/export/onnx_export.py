@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata as md
 import logging
 import os
 import shutil
@@ -20,9 +21,12 @@ from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
+from dspark.export.check import record_check_data
 from dspark.export.passes import fold_weight_transposes, optimize_graph
+from dspark.models.draft_vocab import read_ranking, shortlist
 from dspark.models.pair import Pair
 from dspark.ops.confidence_truncate.onnx_function import attach_functions
+from dspark.resolve import resolve_draft
 from dspark.tokenizer import ChatTokenizer
 
 EXTERNAL_DATA_BYTES = 64 << 20  # graphs with more weight than this keep it in <graph>.onnx.data
@@ -182,7 +186,6 @@ def _output_axes(ex: GraphExample) -> dict[str, dict[int, str]]:
 
 
 def _tool_versions() -> dict[str, str]:
-    import importlib.metadata as md
 
     out = {"dspark": __version__}
     for pkg in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
@@ -207,7 +210,6 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
     if pair.draft_source.startswith("random"):
         sources["draft"] = {"name": pair.draft_source, "note": "untrained random drafter"}
     else:
-        from dspark.resolve import resolve_draft
 
         sources["draft"] = _source(resolve_draft(pair.draft_source), pair.draft_source)
     return Manifest(
@@ -265,8 +267,6 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
             (tmp / MANIFEST).write_text(manifest.to_json())
         if check_data:
             with progress.step("recording reference data for `dspark-export check`"):
-                from dspark.export.check import record_check_data
-
                 record_check_data(pair, tmp)
         _replace_dir(tmp, output)
     except BaseException:
@@ -276,13 +276,11 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
 
 
 def _draft_ids(pair: Pair, size: int, ranking: list[int] | None, stop_ids: tuple[int, ...]):
-    from dspark.models.draft_vocab import read_ranking, shortlist
 
     vocab = pair.drafter.cfg.vocab_size
     if ranking is None:
         if pair.draft_source.startswith("random"):
             raise DSparkError("--draft-vocab needs a token ranking, and a random drafter has none")
-        from dspark.resolve import resolve_draft
 
         ranking = read_ranking(resolve_draft(pair.draft_source), vocab)
     return shortlist(ranking, size, vocab, stop_ids)

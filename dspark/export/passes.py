@@ -1,8 +1,10 @@
 """Graph clean-ups applied to the exported models (onnx-ir), cheap enough to run on every export."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
+import onnxscript.optimizer
 
 
 def fold_weight_transposes(model: ir.Model) -> int:
@@ -40,7 +42,6 @@ def optimize_graph(model: ir.Model) -> None:
 
     Runs after fold_weight_transposes, so no large initializer needs folding: the size limits keep it fast.
     This turns CastLike of constants and computed axes into initializers, which the TensorRT parser requires."""
-    import onnxscript.optimizer
 
     onnxscript.optimizer.optimize(model, inline=False, input_size_limit=1 << 16, output_size_limit=1 << 20)
 
@@ -50,7 +51,6 @@ def cast_matmuls(model: ir.Model, dtype: str) -> int:
     way in and the product cast back to fp32. For strongly typed TensorRT networks (TensorRT 11), where precision
     comes from the graph's types; everything else (norms, softmax, sampling, acceptance) stays fp32.
     Returns the number of matmuls converted."""
-    import ml_dtypes
 
     elem = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}[dtype]
     np_type = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}[dtype]

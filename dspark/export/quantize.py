@@ -9,10 +9,15 @@ defines the output, is never quantized here.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
 from dspark.bundle import MANIFEST, Manifest, sha256_file
 from dspark.errors import DSparkError
@@ -22,7 +27,6 @@ QUANTIZABLE = ("heads", "draft")
 
 def _large_matmuls(model, min_elements: int) -> tuple[list[str], list[str]]:
     """(names of MatMuls whose constant weight has >= min_elements, names of all other MatMuls)."""
-    import numpy as np
 
     sizes = {i.name: int(np.prod(i.dims)) for i in model.graph.initializer}
     big, small = [], []
@@ -37,7 +41,6 @@ def _large_matmuls(model, min_elements: int) -> tuple[list[str], list[str]]:
 def _load_unlinked(bundle: Path, file: str):
     """onnx.load, also for a bundle copied with hard links (cp -al), whose external data onnx refuses to read
     ("potential hardlink attack"): then the graph is read from a private copy."""
-    import onnx
 
     files = [f for f in (file, f"{file}.data") if (bundle / f).exists()]
     if all((bundle / f).stat().st_nlink == 1 for f in files):
@@ -55,10 +58,7 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
                    accuracy_level: int = 4, min_elements: int = 1 << 20) -> dict:
     """Replace BUNDLE/<graph>.onnx by its MatMulNBits version (MatMuls with weights of >= min_elements only) and
     record it in the manifest. Files are written beside the bundle first and moved in, the manifest last."""
-    import logging
 
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
 
@@ -69,10 +69,10 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
     if bits != 8:
         raise DSparkError(f"--bits {bits}: only 8-bit weights are supported (4-bit loses 25-40% top-1 agreement "
                           f"on SmolLM2-135M)")
-    man = Manifest.read(bundle)
-    if graph in man.quantized:
-        raise DSparkError(f"{graph}.onnx of {bundle} is already quantized ({man.quantized[graph]['bits']}-bit)")
-    spec = man.graphs[graph]
+    manifest = Manifest.read(bundle)
+    if graph in manifest.quantized:
+        raise DSparkError(f"{graph}.onnx of {bundle} is already quantized ({manifest.quantized[graph]['bits']}-bit)")
+    spec = manifest.graphs[graph]
     try:
         model = _load_unlinked(bundle, spec.file)
     except Exception as e:  # protobuf / external-data errors
@@ -93,8 +93,8 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
         record = {"bits": bits, "block_size": block_size, "accuracy_level": accuracy_level, "op": "MatMulNBits",
                   "matmuls": big, "fp32_sha256": spec.sha256}
         spec.sha256 = sha256_file(tmp / spec.file)
-        man.quantized[graph] = record
-        man.write(tmp)
+        manifest.quantized[graph] = record
+        manifest.write(tmp)
         # Replace (never write through) so a bundle copied with hard links keeps its original files.
         for name in (data, spec.file, MANIFEST):
             if (tmp / name).exists():

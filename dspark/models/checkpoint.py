@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -12,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dspark.errors import DSparkError
+from dspark.files import atomic_folder, read_json
 from dspark.models.config import DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.resolve import resolve_draft
@@ -24,10 +22,7 @@ def read_draft_config(folder: Path) -> DraftConfig:
     path = folder / "config.json"
     if not path.exists():
         raise DSparkError(f"draft folder {folder} has no config.json (expected a DeepSpec checkpoint)")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DSparkError(f"draft config {path} is not valid JSON ({e})") from None
+    raw = read_json(path, f"draft config {path}")
     if not isinstance(raw, dict):
         raise DSparkError(f"draft config {path} is not a JSON object")
     return DraftConfig.from_dict(raw)
@@ -97,15 +92,7 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
         raise DSparkError(f"{folder} exists; pass --force to overwrite")
     state = drafter.state_dict() if include_shared else drafter.trainable_state_dict()
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
-    try:
+    with atomic_folder(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder

@@ -21,8 +21,9 @@ def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class TargetConfig:
-    family: str
+class LayerGeometry:
+    """The decoder-layer dimensions and RoPE that the target and the draft configs both carry."""
+
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -32,6 +33,27 @@ class TargetConfig:
     vocab_size: int
     rms_norm_eps: float
     rope: dict[str, Any] = field(compare=False, hash=False)
+
+
+def _geometry(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LayerGeometry's fields from an HF config.json (num_key_value_heads and head_dim may be absent)."""
+    d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return dict(
+        hidden_size=d,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or d // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rope=_rope(cfg),
+    )
+
+
+@dataclass(frozen=True)
+class TargetConfig(LayerGeometry):
+    family: str
     tie_word_embeddings: bool
 
     @classmethod
@@ -39,35 +61,13 @@ class TargetConfig:
         family = cfg.get("model_type")
         if family not in SUPPORTED_FAMILIES:
             raise DSparkError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
-        d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return cls(
-            family=family,
-            hidden_size=d,
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or d // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope=_rope(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
+        return cls(**_geometry(cfg), family=family, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(LayerGeometry):
     """The DSpark fields of a DeepSpec draft config.json plus the layer geometry it inherits."""
 
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope: dict[str, Any] = field(compare=False, hash=False)
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
     block_size: int
@@ -102,20 +102,11 @@ class DraftConfig:
                                "num_target_layers") if k not in cfg]
         if missing:
             raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
-        d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         rank = int(cfg.get("markov_rank", 0) or 0)
         enable_conf = bool(cfg.get("enable_confidence_head", False))
         with_markov = bool(cfg.get("confidence_head_with_markov", rank > 0))
         out = cls(
-            hidden_size=d,
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or d // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope=_rope(cfg),
+            **_geometry(cfg),
             num_target_layers=int(cfg["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
             block_size=int(cfg["block_size"]),

@@ -15,6 +15,9 @@ from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention,
 from dspark.models.sampling import prefix_survival, sample, token_probs
 
 
+TensorPair = tuple[torch.Tensor, torch.Tensor]
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -47,6 +50,24 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_rope: TensorPair, blk_rope: TensorPair,
+                masks: list[torch.Tensor], past: TensorPair | None = None) -> tuple[torch.Tensor, TensorPair]:
+        """Block slots x [B, T, d] attend to the context ctx [B, C, d] (projected to K/V here, not residual) and to
+        each other, after the cached context segment `past` (K, V) when given; ctx_rope / blk_rope: RoPE (cos, sin)
+        of the context / block positions; masks: one per segment, in order. Returns the new x and the context's
+        (K, V) [B, Hkv, C, hd]."""
+        attn = self.self_attn
+        u = self.input_layernorm(x)
+        k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
+        k_blk, v_blk = attn.project_kv(u, *blk_rope)
+        q = attn.project_q(u, *blk_rope)
+        keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
+        if past is not None:
+            keys, values = [past[0], *keys], [past[1], *values]
+        x = x + attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, (k_ctx, v_ctx)
 
 
 class MarkovHead(nn.Module):
@@ -167,16 +188,8 @@ class DSparkDrafter(nn.Module):
                  torch.ones(1, 1, 1, 1, bk, dtype=torch.bool, device=anchor.device)]
         new_kv = []
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            u = layer.input_layernorm(x)
-            k_ctx, v_ctx = attn.project_kv(ctx, ccos, csin)
-            k_blk, v_blk = attn.project_kv(u, bcos, bsin)
-            q = attn.project_q(u, bcos, bsin)
-            keys = [draft_kv[i][0], k_ctx, k_blk]
-            values = [draft_kv[i][1], v_ctx, v_blk]
-            x = x + attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            new_kv.append(torch.stack([k_ctx, v_ctx]))
+            x, ctx_kv = layer(x, ctx, (ccos, csin), (bcos, bsin), masks, past=draft_kv[i])
+            new_kv.append(torch.stack(ctx_kv))
         return self.norm(x), torch.stack(new_kv)
 
     def packed_blocks(self, ctx_features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -198,14 +211,7 @@ class DSparkDrafter(nn.Module):
         ctx_mask = (torch.arange(s, device=dev)[None, :] < anchors.repeat_interleave(bk)[:, None])[None, None, None]
         blk_mask = (block_id[:, None] == block_id[None, :])[None, None, None]
         for layer in self.layers:
-            attn = layer.self_attn
-            u = layer.input_layernorm(x)
-            k_ctx, v_ctx = attn.project_kv(ctx, ccos, csin)
-            k_blk, v_blk = attn.project_kv(u, bcos, bsin)
-            q = attn.project_q(u, bcos, bsin)
-            x = x + attn.o_proj(grouped_attention(q, [k_ctx, k_blk], [v_ctx, v_blk], [ctx_mask, blk_mask],
-                                                  attn.scaling))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, _ = layer(x, ctx, (ccos, csin), (bcos, bsin), [ctx_mask, blk_mask])
         return self.norm(x).view(a, bk, -1)
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -104,6 +104,42 @@ def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: i
     return results
 
 
+def _verify_block(target: TargetModel, kv: torch.Tensor, cache_len: list[int], anchor: torch.Tensor, block,
+                  verify_len: torch.Tensor, temp: torch.Tensor, noises: list[RequestNoise], live: list[bool]):
+    """The target over [anchor, first drafts] of every request, then acceptance and the bonus/correction token."""
+    b, bk = block.tokens.shape
+    t = 1 + int(verify_len.max())
+    tokens = torch.cat([anchor[:, None], block.tokens[:, :t - 1]], dim=1)
+    step = target(tokens, _mask(cache_len, kv.shape[-2]), kv)
+    _write(kv, step.new_kv, cache_len, [t] * b)
+    probs = token_probs(target.logits(step.hidden), temp)
+    draft_next = torch.cat([block.tokens[:, :t - 1], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+    accept_noise = _noise(noises, live, bk + 1)[:, :t]
+    accepted, nxt = verify(probs, draft_next, block.probs, verify_len, accept_noise, _noise(noises, live, 1)[:, 0])
+    return step, accepted, nxt
+
+
+def _commit(res: DecodeResult, drafts: list[int], bonus: int, proposed: int, stop_ids: tuple[int, ...],
+            max_new_tokens: int) -> bool:
+    """Record one round of a live request: its accepted drafts, then the bonus/correction token. Whether it goes on."""
+    res.rounds += 1
+    res.proposed.append(proposed)
+    stop_at = next((j for j, tok in enumerate(drafts) if tok in stop_ids), None)
+    if stop_at is not None:  # an accepted draft is a stop token: cut there, no bonus (reference §5.5)
+        res.token_ids += drafts[:stop_at + 1]
+        res.accepted.append(stop_at + 1)
+        res.committed.append(stop_at + 1)
+        res.stopped = True
+        return False
+    res.token_ids += drafts + [bonus]
+    res.accepted.append(len(drafts))
+    res.committed.append(len(drafts) + 1)
+    if bonus in stop_ids:
+        res.stopped = True
+        return False
+    return len(res.token_ids) < max_new_tokens
+
+
 @torch.no_grad()
 def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], max_new_tokens: int,
                     temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
@@ -139,42 +175,18 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
         if threshold > 0:
             verify_len = (drafter.survival(block.conf_logits) >= threshold).sum(dim=1)
         verify_len = torch.where(torch.tensor(live), verify_len, 0)
-
-        t = 1 + int(verify_len.max())
-        tokens = torch.cat([anchor[:, None], block.tokens[:, :t - 1]], dim=1)
-        step = target(tokens, _mask(cache_len, cap), kv)
-        _write(kv, step.new_kv, cache_len, [t] * b)
-        probs = token_probs(target.logits(step.hidden), temp)
-        draft_next = torch.cat([block.tokens[:, :t - 1], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
-        accept_noise = _noise(noises, live, bk + 1)[:, :t]
-        accepted, nxt = verify(probs, draft_next, block.probs, verify_len, accept_noise, _noise(noises, live, 1)[:, 0])
+        step, accepted, nxt = _verify_block(target, kv, cache_len, anchor, block, verify_len, temp, noises, live)
 
         pending_len = [0] * b
         for i in range(b):
             if not live[i]:
                 continue
-            res, a = results[i], int(accepted[i])
-            res.rounds += 1
-            res.proposed.append(int(verify_len[i]))
-            drafts = block.tokens[i, :a].tolist()
-            stop_at = next((j for j, tok in enumerate(drafts) if tok in stop_ids), None)
-            if stop_at is not None:  # an accepted draft is a stop token: cut there, no bonus (reference §5.5)
-                res.token_ids += drafts[:stop_at + 1]
-                res.accepted.append(stop_at + 1)
-                res.committed.append(stop_at + 1)
-                res.stopped, live[i] = True, False
-                continue
-            res.token_ids += drafts + [int(nxt[i])]
-            res.accepted.append(a)
-            res.committed.append(a + 1)
-            if int(nxt[i]) in stop_ids:
-                res.stopped, live[i] = True, False
-            elif len(res.token_ids) >= max_new_tokens:
-                live[i] = False
-            if not live[i]:
-                continue
-            cache_len[i] += a + 1  # anchor + accepted drafts; rejected positions are dropped by the length alone
-            pending_len[i] = a + 1
+            a = int(accepted[i])
+            live[i] = _commit(results[i], block.tokens[i, :a].tolist(), int(nxt[i]), int(verify_len[i]), stop_ids,
+                              max_new_tokens)
+            if live[i]:
+                cache_len[i] += a + 1  # anchor + accepted drafts; rejected positions are dropped by the length alone
+                pending_len[i] = a + 1
         pending = step.taps[:, :max(max(pending_len), 1)]
         anchor = nxt
     for res in results:

@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark.errors import DSparkError
+from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
 from dspark.models.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.resolve import cache_dir, resolve_target
@@ -76,6 +74,15 @@ class TargetModel(nn.Module):
         out = grouped_attention(q, [k_past, k], [v_past, v], [past_mask, new_mask], attn.scaling)
         return attn.o_proj(out), k, v
 
+    def _block(self, layer: nn.Module, x: torch.Tensor, cos, sin, past, past_mask, new_mask):
+        """One pre-norm decoder layer on the residual stream x; past = the layer's cached (K, V).
+        Returns the new x and the K, V of x's positions."""
+        a, k, v = self._attention(layer, self._norm(layer.input_layernorm, x), cos, sin, past[0], past[1],
+                                  past_mask, new_mask)
+        x = x + a
+        x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+        return x, k, v
+
     def forward(self, tokens: torch.Tensor, past_mask: torch.Tensor, past_kv) -> TargetStep:
         b, t = tokens.shape
         past_valid = past_mask.bool()
@@ -88,10 +95,7 @@ class TargetModel(nn.Module):
         taps = {-1: x} if -1 in self.tap_ids else {}
         new_kv = []
         for i, layer in enumerate(self.layers):
-            a, k, v = self._attention(layer, self._norm(layer.input_layernorm, x), cos, sin, past_kv[i][0],
-                                      past_kv[i][1], pm, nm)
-            x = x + a
-            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+            x, k, v = self._block(layer, x, cos, sin, past_kv[i], pm, nm)
             new_kv.append(torch.stack([k, v]))
             if i in self.tap_ids:
                 taps[i] = x
@@ -110,10 +114,7 @@ class TargetModel(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None, None]
         empty = h.new_zeros(b, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
         for layer in self.layers[first_layer:]:
-            a, _, _ = self._attention(layer, self._norm(layer.input_layernorm, h), cos, sin, empty, empty,
-                                      causal[..., :0], causal)
-            h = h + a
-            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+            h, _, _ = self._block(layer, h, cos, sin, (empty, empty), causal[..., :0], causal)
         return self._norm(self.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -150,8 +151,6 @@ def _convert_gguf(gguf: Path) -> Path:
     folder = _gguf_cache_folder(gguf)
     if (folder / "model.safetensors").exists():
         return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -161,15 +160,9 @@ def _convert_gguf(gguf: Path) -> Path:
     model.config.quantization_config = None
     if hasattr(model.config, "_name_or_path"):
         model.config._name_or_path = gguf.name
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
+    with atomic_folder(folder) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
@@ -183,13 +176,7 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32) -> Loaded
         folder = path
         if not (folder / "config.json").exists():
             raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
-    try:
-        cfg_dict = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise DSparkError(f"target config {folder / 'config.json'} is not valid JSON ({e.msg})") from None
-    config = TargetConfig.from_dict(cfg_dict)
-    from transformers import AutoModelForCausalLM
-
+    config = TargetConfig.from_dict(read_json(folder / "config.json", f"target config {folder / 'config.json'}"))
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     except Exception as e:

@@ -104,7 +104,6 @@ class Decoder:
         self.draft_kv = backend.kv_cache(d["num_layers"], b, d["num_kv_heads"], self.capacity, d["head_dim"],
                                          "draft", prefix="draft_past")
         self.prompts = prompts
-        self.max_new = options.max_new_tokens
         self.confidence_log: list[tuple[np.ndarray, int, int]] = []  # (conf logits [Bk], verified, accepted)
         self.request_ids = request_ids or list(range(len(prompts)))
         self.temperature = np.full(b, options.temperature, dtype=np.float32)
@@ -134,23 +133,7 @@ class Decoder:
         limit = min(self.manifest.max_context, fixed or self.manifest.max_context)
         if longest + self.block_size + 2 > limit:
             raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
-        return fixed or capacity or min(longest + self.max_new_tokens + self.block_size + 1, limit)
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.options.max_new_tokens
-
-    @property
-    def record_taps(self) -> bool:
-        return self.options.record_taps
-
-    @property
-    def record_confidence(self) -> bool:
-        return self.options.record_confidence
-
-    @property
-    def seed(self) -> int:
-        return self.options.seed
+        return fixed or capacity or min(longest + self.options.max_new_tokens + self.block_size + 1, limit)
 
     @property
     def batch(self) -> int:
@@ -185,7 +168,7 @@ class Decoder:
             tokens[i, :len(p)] = p
         for slot, req in zip(slots, reqs):
             self.slot_req[slot] = req
-            self.noise[slot] = RequestNoise(self.seed, self.request_ids[req])
+            self.noise[slot] = RequestNoise(self.options.seed, self.request_ids[req])
             self.kv.commit(slot, 0)
             self.draft_kv.commit(slot, 0)
             self.kv.check_room(slot, tokens.shape[1], request=self.request_ids[req])
@@ -202,7 +185,7 @@ class Decoder:
             count = int(lengths[i])
             self.kv.write(new_kv, i, count, slot=slot)
             self.kv.commit(slot, count)
-            if self.record_taps:
+            if self.options.record_taps:
                 self.results[req].taps.append(self._host(taps)[i, :count].astype(np.float16))
             self.ctx.put(slot, taps, i, count)
             self.anchor[slot] = first[i]
@@ -231,7 +214,7 @@ class Decoder:
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
         self.times.drafted += 1
-        self._conf = heads["conf_logits"].numpy() if self.record_confidence else None
+        self._conf = heads["conf_logits"].numpy() if self.options.record_confidence else None
         survival = heads["survival"].numpy()
         if self.gate is not None:
             self.gate.observe(survival, live, t2 - t0)
@@ -249,7 +232,7 @@ class Decoder:
             if tok in self.stop_ids:
                 res.stopped = res.done = True
                 break
-            if len(res.token_ids) + len(out) >= self.max_new:
+            if len(res.token_ids) + len(out) >= self.options.max_new_tokens:
                 res.done = True
                 break
         res.token_ids += out
@@ -302,7 +285,7 @@ class Decoder:
             plain = self.ar or (self.gate is not None and not self.gate.should_draft(live))
             tokens, drafts, draft_probs, verify_len = self._plan(live, plain)
             accepted, nxt, taps, new_kv = self._verify_round(tokens, verify_len, draft_probs, noises, plain, live)
-            host_taps = self._host(taps) if self.record_taps else None
+            host_taps = self._host(taps) if self.options.record_taps else None
             for slot in np.flatnonzero(live):
                 yield self._commit(slot, int(accepted[slot]), drafts, int(nxt[slot]), int(verify_len[slot]),
                                    tokens.shape[1], taps, new_kv, host_taps)
@@ -355,7 +338,7 @@ class Decoder:
         res.committed.append(len(commit))
         if self._conf is not None:
             self.confidence_log.append((self._conf[slot].copy(), verified, res.accepted[-1]))
-        if self.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
+        if self.options.record_taps:  # the anchor and accepted drafts were processed, whatever comes next
             res.taps.append(host_taps[slot, :accepted + 1].astype(np.float16))
         event = Event(req, self._take(slot, commit), res.done)
         if not res.done:

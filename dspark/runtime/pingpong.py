@@ -3,7 +3,8 @@ own thread. A lane blocks (releasing the GIL) while it waits for its results; me
 copies and engines proceed, so on a GPU one micro-batch's transfers and host steps hide behind the other's engines.
 
 Backends offer lanes with `lanes(n)` (dspark.trt.backend.TrtBackend: own streams, execution contexts and
-buffers on the shared engines; a backend without lanes refuses n > 1). Tokens do not depend on the split: noise is keyed by the global request index.
+buffers on the shared engines; a backend without lanes refuses n > 1). Tokens do not depend on the split: noise
+is keyed by the global request index.
 """
 from __future__ import annotations
 

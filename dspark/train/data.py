@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from dspark.errors import DSparkError
+from dspark.runtime import DecodeOptions, Runtime
+from dspark.tokenizer import ChatTokenizer
 
 
 def interleave_domains(rows: list[dict]) -> list[int]:
@@ -21,6 +28,20 @@ def interleave_domains(rows: list[dict]) -> list[int]:
             if q:
                 order.append(q.pop(0))
     return order
+
+
+def save_shared(path: Path, array: np.ndarray) -> None:
+    """Write a file of a data cache that other runs may be writing at the same moment (the DSpark run and its
+    DFlash ablation share one): each writer has its own temporary file, and whichever rename lands last leaves
+    the same content."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_responses(path: Path) -> list[dict]:
@@ -43,10 +64,6 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
     verifier computes them anyway, so training needs no target forward pass beyond the last tapped layer).
 
     Prompts already in out_path are skipped, so a killed run continues where it stopped."""
-    import numpy as np
-
-    from dspark.runtime import Runtime
-
     done = {r["index"] for r in read_responses(out_path)}
     order = [i for i in interleave_domains(rows) if i not in done]
     if limit is not None:
@@ -55,7 +72,8 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
         return read_responses(out_path)
     rt = Runtime(bundle, threads=threads)
     prompts = [rows[i]["prompt"] for i in order]
-    dec = rt.decoder(prompts, max_new_tokens=max_new_tokens, ar=True, batch_size=batch_size, record_taps=True)
+    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar", batch_size=batch_size,
+                                            record_taps=True))
     taps_dir = out_path.parent / "taps"
     taps_dir.mkdir(parents=True, exist_ok=True)
     t0, tokens = time.perf_counter(), 0
@@ -109,11 +127,6 @@ def compute_taps(bundle: Path, out_path: Path, rows: list[dict], limit: int | No
     """Tap features for cached responses that have none (imported ones): the bundle's verifier runs over
     prompt + response in prefill, which is what generation would have recorded. Only the first `limit` responses
     in domain-interleaved prompt order are considered. Saved a chunk at a time, so a killed run keeps its work."""
-    import numpy as np
-
-    from dspark.runtime import Runtime
-    from dspark.train.trainer import save_shared
-
     taps_dir = out_path.parent / "taps"
     by_index = {r["index"]: r for r in read_responses(out_path)}
     order = [i for i in interleave_domains(rows) if i in by_index][:limit]
@@ -126,7 +139,7 @@ def compute_taps(bundle: Path, out_path: Path, rows: list[dict], limit: int | No
     for start in range(0, len(todo), chunk):
         part = todo[start:start + chunk]
         seqs = [by_index[i]["prompt_ids"] + by_index[i]["response_ids"][:-1] for i in part]
-        dec = rt.decoder(seqs, max_new_tokens=1, ar=True, batch_size=batch_size, record_taps=True)
+        dec = rt.decoder(seqs, DecodeOptions(max_new_tokens=1, policy="ar", batch_size=batch_size, record_taps=True))
         for _ in dec:
             pass
         for i, seq, res in zip(part, seqs, dec.results):
@@ -153,11 +166,6 @@ def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: 
     """The same cache as generate_responses, produced with HF generate on a GPU (batched, greedy), then one
     forward pass per finished response for the taps (HF hidden_states[l + 1]). For machines with CUDA.
     taps=False writes the responses alone (their taps are computed where training runs: see compute_taps)."""
-    import numpy as np
-    import torch
-
-    from dspark.tokenizer import ChatTokenizer
-
     tok = ChatTokenizer(loaded.folder)
     stop = set(tok.stop_ids)
     done = {r["index"] for r in read_responses(out_path)}

@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from dspark.errors import DSparkError
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.target import TargetModel
+from dspark.train.data import read_responses, save_shared
 
 STATE = "train_state.pt"
 PRECISIONS = ("fp32", "bf16")
@@ -33,20 +34,6 @@ def bf16_is_fast(device: torch.device) -> bool:
     except OSError:
         return False
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
-
-
-def save_shared(path: Path, array: np.ndarray) -> None:
-    """Write a file of a data cache that other runs may be writing at the same moment (the DSpark run and its
-    DFlash ablation share one): each writer has its own temporary file, and whichever rename lands last leaves
-    the same content."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -85,8 +72,6 @@ class Sample:
 
 
 def load_samples(data_dir: Path, tap_ids: tuple[int, ...]) -> list[Sample]:
-    from dspark.train.data import read_responses
-
     out = []
     for r in read_responses(data_dir / "responses.jsonl"):
         if tuple(r.get("tap_ids", ())) != tuple(tap_ids):
@@ -324,8 +309,6 @@ class Trainer:
         return True
 
     def run(self, progress: bool = True, log=None) -> list[dict]:
-        from tqdm import tqdm
-
         bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, dynamic_ncols=True)
         t0 = time.perf_counter()
         while self.step < self.cfg.steps:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.bundle import Manifest
-from dspark.export.check import CAPTURE, CHECK_DIR, _compare
+from dspark.export.check import CAPTURE, CHECK_DIR, compare_outputs
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import Backend, create_backend
 from dspark.trt.backend import TrtBackend
@@ -46,7 +46,7 @@ def engine_parity(bundle: Path, manifest: Manifest, backend: Backend, reference:
             feeds = pad_capacity(manifest.graphs[name], dict(np.load(path)), capacity)
             got = {key: value.numpy() for key, value in getattr(backend, name).run(feeds).items()}
             want = {key: value.numpy() for key, value in getattr(reference, name).run(feeds).items()}
-            rows += _compare(name, f"call {i}", got, want)
+            rows += compare_outputs(name, f"call {i}", got, want)
     bad = [f"{row.graph}.{row.output} (max abs err {row.max_abs_err:.3g})" for row in rows if not row.passed]
     return ("engine outputs vs ONNX Runtime (Polygraphy)", "fail" if bad else "ok",
             f"{len(rows) - len(bad)}/{len(rows)} within tolerance" + (f"; off: {', '.join(bad[:4])}" if bad else ""))

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from dspark.models.checkpoint import read_draft_config
+from dspark.demo import folder_digest
+from dspark.models.checkpoint import load_draft, read_draft_config
 from dspark.resolve import resolve_draft
 
 NAME = "smollm2-135m-dspark"
@@ -24,8 +25,6 @@ def test_demo_drafter_is_deepspec_format_small_and_calibrated():
 
 @pytest.mark.integration
 def test_demo_drafter_fits_smollm2(smollm2):
-    from dspark.models.checkpoint import load_draft
-
     pair, _ = smollm2
     body = pair.loaded.hf_model
     drafter = load_draft(NAME, pair.loaded.config, body.model.embed_tokens, body.lm_head)
@@ -34,12 +33,10 @@ def test_demo_drafter_fits_smollm2(smollm2):
 
 def test_demo_bundle_cache_follows_the_drafter(tmp_path):
     """A new demo drafter must not reuse a bundle converted from the old one."""
-    from dspark.cli import _folder_digest
-
     for name, data in (("config.json", b"{}"), ("model.safetensors", b"w1"), ("README.md", b"doc")):
         (tmp_path / name).write_bytes(data)
-    first = _folder_digest(tmp_path)
+    first = folder_digest(tmp_path)
     (tmp_path / "README.md").write_bytes(b"edited doc")
-    assert _folder_digest(tmp_path) == first
+    assert folder_digest(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"w2")
-    assert _folder_digest(tmp_path) != first
+    assert folder_digest(tmp_path) != first

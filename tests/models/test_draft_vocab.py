@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.export.check import check_bundle
+from dspark.export.onnx_export import export_bundle
 from dspark.models.draft_vocab import FILE, rank_tokens, read_ranking, shortlist, write_ranking
+from dspark.models.pair import Pair
+from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
+from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
 
 V = 6
 KEEP = [2, 4]  # ranking handed to the export; the stop token (if any) is added, the rest is left out
@@ -37,10 +43,6 @@ def test_ranking_round_trip_and_foreign_files(tmp_path):
 
 @pytest.fixture(scope="module")
 def shortlisted(tmp_path_factory):
-    from dspark.export.onnx_export import export_bundle
-    from dspark.models.pair import Pair
-    from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
-
     hf, target, drafter = tiny_pair("llama", vocab=V, layers=2, block_size=3, seed=11)
     root = tmp_path_factory.mktemp("shortlist")
     loaded = TinyLoaded(hf, tiny_tokenizer_folder(root / "tok", V))
@@ -63,28 +65,23 @@ def test_shortlisted_drafter_only_proposes_its_tokens(shortlisted):
 
 
 def test_shortlisted_bundle_passes_check_and_matches_ar(shortlisted):
-    from dspark.bundle import Manifest
-    from dspark.export.check import check_bundle
-    from dspark.runtime import Runtime
-
     hf, target, drafter, path = shortlisted
     assert Manifest.read(path).draft["draft_vocab"] == 3
     rep = check_bundle(path, trt_lint=True)
     assert rep.passed, [r for r in rep.rows if not r.passed]
     rt = Runtime(path)
     ps = [[1, 4, 2, 0], [3, 3, 5], [0, 1]]
-    ds = rt.generate(ps, max_new_tokens=24)
-    assert [r.token_ids for r in ds] == [r.token_ids for r in rt.generate(ps, max_new_tokens=24, ar=True)]
+    ds = rt.generate(ps, DecodeOptions(max_new_tokens=24))
+    ar = rt.generate(ps, DecodeOptions(max_new_tokens=24, policy="ar"))
+    assert [r.token_ids for r in ds] == [r.token_ids for r in ar]
 
 
 def test_shortlisted_bundle_sampling_is_lossless(shortlisted):
     """The draft never proposes half the vocabulary; the verifier's residual must still produce it exactly."""
-    from dspark.runtime import Runtime
-
     hf, target, drafter, path = shortlisted
     prompt = [1, 4, 2, 0]
     rt = Runtime(path)
-    res = rt.generate([prompt] * 24000, max_new_tokens=3, temperature=1.0, seed=5, batch_size=4000)
+    res = rt.generate([prompt] * 24000, DecodeOptions(max_new_tokens=3, temperature=1.0, seed=5, batch_size=4000))
     stop = set(rt.manifest.stop_token_ids)
     samples = [tuple(r.token_ids) for r in res if len(r.token_ids) == 3]
     expected = {k: p for k, p in exact_joint(hf, prompt, 3, V).items() if not stop.intersection(k[:2])}

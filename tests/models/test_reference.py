@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import dspark.models.reference as reference
+from dspark.errors import DSparkError
 from dspark.models.reference import generate_ar, generate_dspark
-from dspark.models.sampling import PROB_FLOOR, sample
+from dspark.models.sampling import sample
+from support.faults import wrong_verify
 from support.stats import chi_square_pvalue, exact_joint
 from support.tiny import tiny_pair
 
@@ -65,8 +67,6 @@ def test_threshold_truncates_verification():
 
 
 def test_empty_prompt_and_overflow_are_clear_errors():
-    from dspark.errors import DSparkError
-
     _, target, drafter = tiny_pair("llama", vocab=V, block_size=4)
     with pytest.raises(DSparkError, match="empty prompt"):
         generate_dspark(target, drafter, [[]], 5)
@@ -84,22 +84,6 @@ def test_inverse_cdf_sampler_never_picks_zero_probability_tokens():
 
 SAMPLES = 24000
 DEPTH = 3
-
-
-def wrong_verify(target_probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise):
-    """A deliberately wrong acceptance rule: accept whenever p_target >= 0.5 * p_draft."""
-    b, k, v = target_probs.shape
-    rows = torch.clamp(torch.arange(k), max=draft_probs.shape[1] - 1)
-    q_rows = draft_probs.index_select(1, rows)
-    p_tok = torch.gather(target_probs, 2, draft_next[..., None])[..., 0]
-    q_tok = torch.gather(q_rows, 2, draft_next[..., None])[..., 0]
-    ok = (p_tok >= 0.5 * q_tok) & (torch.arange(k)[None] < verify_len[:, None])
-    accepted = (torch.cumsum((~ok).float(), 1) == 0).sum(1)
-    pick = accepted.view(b, 1, 1).expand(b, 1, v)
-    p_row, q_row = torch.gather(target_probs, 1, pick)[:, 0], torch.gather(q_rows, 1, pick)[:, 0]
-    res = torch.clamp(p_row - q_row, min=0)
-    use = (accepted < verify_len) & (res.sum(-1) > PROB_FLOOR)
-    return accepted, sample(torch.where(use[:, None], res, p_row), sample_noise)
 
 
 def _dspark_samples(target, drafter, prompt, seed, **kw):

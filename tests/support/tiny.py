@@ -1,16 +1,21 @@
 """Tiny random targets and drafters for fast tests."""
 from __future__ import annotations
 
-import torch
+import json
+from pathlib import Path
 
-from dspark.models.config import draft_config_for
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dspark.export.onnx_export import export_bundle
+from dspark.models.config import TargetConfig, draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
+from dspark.models.pair import Pair
 from dspark.models.target import TargetModel
 
 
 def tiny_hf(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0, hidden: int = 32):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -44,11 +49,6 @@ def tiny_pair(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int
 
 def tiny_tokenizer_folder(folder, vocab: int, stop_id: int | None = None):
     """A word-level tokenizer over 'w0'..'w{V-1}' so tiny bundles are complete (ids == word numbers)."""
-    import json
-    from pathlib import Path
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
@@ -64,8 +64,6 @@ class TinyLoaded:
     """Stands in for LoadedTarget when exporting a tiny in-memory pair."""
 
     def __init__(self, hf, folder):
-        from dspark.models.config import TargetConfig
-
         self.hf_model, self.folder = hf, folder
         self.config = TargetConfig.from_dict(hf.config.to_dict())
         self.source, self.source_file = "tiny-random", folder
@@ -76,11 +74,6 @@ class TinyLoaded:
 
 def tiny_bundle(out, family="qwen3", vocab=16, stop_id=None, **kw):
     """Export a tiny random pair to `out`; returns (hf, target, drafter, bundle_path)."""
-    from pathlib import Path
-
-    from dspark.export.onnx_export import export_bundle
-    from dspark.models.pair import Pair
-
     hf, target, drafter = tiny_pair(family, vocab=vocab, **kw)
     out = Path(out)
     tokdir = tiny_tokenizer_folder(out.parent / f"{out.name}-tokenizer", vocab, stop_id)

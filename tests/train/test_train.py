@@ -1,20 +1,29 @@
 """Training on a tiny pair: losses fall, teacher forcing matches inference, resume is exact; STS calibration."""
+import copy
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from dspark.bundle import Manifest
+from dspark.calibration.calibrate import calibrate
 from dspark.calibration.sts import Rounds, auc, ece, fit_sts, reliability
-from dspark.train.trainer import Sample, Trainer, TrainConfig, lr_at, save_shared, split_samples
-from support.tiny import tiny_pair
+from dspark.errors import DSparkError
+from dspark.models.checkpoint import save_draft
+from dspark.models.reference import generate_ar
+from dspark.tokenizer import ChatTokenizer
+from dspark.train.data import compute_taps, generate_responses, import_responses, save_shared
+from dspark.train.run import TrainRun
+from dspark.train.trainer import Sample, Trainer, TrainConfig, load_samples, lr_at, split_samples
+from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
 
 
 def make_samples(tmp_path, target, drafter, n=6, length=24, seed=0):
     """Sequences the tiny target generates itself, with taps cached the way the generator stores them."""
-    from dspark.models.reference import generate_ar
-
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 15, (6,), generator=g).tolist() for _ in range(n)]
     outs = generate_ar(target, prompts, length)
@@ -60,10 +69,6 @@ def test_evaluate_is_repeatable_and_leaves_the_training_draws_alone(setup, tmp_p
 
 
 def test_bf16_runs_the_drafter_in_bf16_and_keeps_fp32_weights(setup, tmp_path):
-    import copy
-
-    from dspark.errors import DSparkError
-
     target, drafter, samples = setup
     losses = {}
     for precision in ("fp32", "bf16"):
@@ -83,8 +88,6 @@ def test_bf16_runs_the_drafter_in_bf16_and_keeps_fp32_weights(setup, tmp_path):
 
 def test_resume_is_exact(setup, tmp_path):
     target, drafter, samples = setup
-    import copy
-
     cfg = TrainConfig(steps=4, seqs_per_step=1, anchors=4, save_every=2)
     a = copy.deepcopy(drafter)
     Trainer(target, a, samples, tmp_path / "straight", cfg).run(progress=False)
@@ -103,8 +106,6 @@ def test_resume_is_exact(setup, tmp_path):
 
 
 def test_resume_refuses_other_settings(setup, tmp_path):
-    from dspark.errors import DSparkError
-
     target, drafter, samples = setup
     tr = Trainer(target, drafter, samples, tmp_path / "r", TrainConfig(steps=2, seqs_per_step=1, anchors=4))
     tr.train_step()
@@ -118,8 +119,6 @@ def test_balanced_domains_are_drawn_uniformly_and_resume_exactly(setup, tmp_path
     """Five of six sequences are math: drawn plainly, code comes ~1/6 of the time; balanced, ~1/2, each domain
     walked in epochs (every pass over a pool sees each of its sequences once), and a resumed trainer continues
     the same draws."""
-    import dataclasses
-
     target, drafter, samples = setup
     samples = [dataclasses.replace(s, domain="code" if s.index == 0 else "math") for s in samples]
 
@@ -144,10 +143,6 @@ def test_balanced_domains_are_drawn_uniformly_and_resume_exactly(setup, tmp_path
 def test_draft_vocabulary_training_loss(setup, tmp_path):
     """Over the whole vocabulary (as a list) it is the full loss; over a shortlist only those logit rows and
     Markov-bias rows learn, labels outside carry no CE, and the target keeps its full normalizer."""
-    import copy
-
-    from dspark.errors import DSparkError
-
     target, drafter, samples = setup
     v = drafter.cfg.vocab_size
     cfg = TrainConfig(steps=2, seqs_per_step=1, anchors=6, seed=3)
@@ -192,8 +187,6 @@ def test_draft_vocabulary_training_loss(setup, tmp_path):
 def test_cache_files_survive_a_concurrent_writer(tmp_path, monkeypatch):
     """Two runs on one data cache (DSpark and its DFlash ablation) may write the same normalizer file at the same
     moment: the second writer's save and rename land between the first one's save and rename."""
-    import dspark.train.trainer as trainer
-
     path = tmp_path / "7.lse-ab.npy"
     real_save, nested = np.save, []
 
@@ -203,7 +196,7 @@ def test_cache_files_survive_a_concurrent_writer(tmp_path, monkeypatch):
             nested.append(1)
             save_shared(path, arr + 1)  # the other run, same file
 
-    monkeypatch.setattr(trainer.np, "save", save_with_a_rival)
+    monkeypatch.setattr(np, "save", save_with_a_rival)  # the np.save save_shared calls
     save_shared(path, np.arange(3.0))
     assert np.load(path).tolist() == [0.0, 1.0, 2.0]  # whichever rename lands last; nothing left behind
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
@@ -250,11 +243,6 @@ def test_sts_fixes_an_overconfident_head():
 
 
 def test_calibrate_writes_manifest_plot_and_report(tiny_bundle_v6, tmp_path):
-    import shutil
-
-    from dspark.bundle import Manifest
-    from dspark.calibration.calibrate import calibrate
-
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle_v6[3], bundle)
     prompts = [" ".join(f"w{(i * 7 + j) % 5}" for j in range(4)) for i in range(40)]
@@ -268,12 +256,6 @@ def test_calibrate_writes_manifest_plot_and_report(tiny_bundle_v6, tmp_path):
 
 def test_init_from_continues_from_a_trained_drafter(tmp_path):
     """--init-from: the drafter starts from the checkpoint's weights and architecture, without its STS temperatures."""
-    import dataclasses
-
-    from dspark.models.checkpoint import save_draft
-    from dspark.train.run import TrainRun
-    from support.tiny import TinyLoaded, tiny_tokenizer_folder
-
     hf, target, drafter = tiny_pair("llama", vocab=16, block_size=3, markov_rank=4, draft_layers=2)
     drafter.cfg = dataclasses.replace(drafter.cfg, confidence_temperatures=(1.5, 2.0, 3.0))
     ckpt = save_draft(drafter, tmp_path / "ckpt")
@@ -299,11 +281,6 @@ def test_init_from_continues_from_a_trained_drafter(tmp_path):
 def test_imported_responses_get_the_taps_generation_records(tiny_bundle_v6, tmp_path):
     """Responses made elsewhere (a GPU box, taps=False) are merged into a cache and their taps computed here in
     prefill: the same features autoregressive generation records, for the first --max-prompts only."""
-    from dspark.errors import DSparkError
-    from dspark.tokenizer import ChatTokenizer
-    from dspark.train.data import compute_taps, generate_responses, import_responses
-    from dspark.train.trainer import load_samples
-
     bundle = tiny_bundle_v6[3]
     rows = [{"prompt": " ".join(f"w{(i * 3 + j) % 5}" for j in range(3 + i % 4)), "domain": "ab"[i % 2]}
             for i in range(6)]

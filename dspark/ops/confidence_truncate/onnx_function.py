@@ -8,6 +8,9 @@ first among equal values, which is the tie rule of the reference (smaller j, the
 """
 from __future__ import annotations
 
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper
 from onnxscript import BOOL, FLOAT, INT64, opset20 as op, script
 from onnxscript.values import Opset
 
@@ -83,7 +86,6 @@ def ConfidenceTruncate(survival: FLOAT, threshold: FLOAT, sps: FLOAT, budget: IN
 
 def attach_functions(model) -> None:
     """Give an onnx_ir Model that calls dspark ops their function bodies, so ONNX Runtime can run them."""
-    import onnx_ir as ir
 
     used = {node.op_type for node in model.graph.all_nodes() if node.domain == DOMAIN}
     if not used:
@@ -96,8 +98,6 @@ def attach_functions(model) -> None:
 
 def standalone_model(opset: int = 20):
     """A one-node ONNX model calling dspark::ConfidenceTruncate, for tests and kernel cross-checks."""
-    import onnx
-    from onnx import TensorProto, helper
 
     f, i, bo = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     inputs = [helper.make_tensor_value_info("survival", f, ["B", "Bk"]),
