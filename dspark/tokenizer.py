@@ -1,23 +1,25 @@
 """Tokenizer + chat template + stop tokens from an HF-style folder, with `tokenizers` and jinja2 only (no torch)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dspark.errors import DSparkError
+from dspark.files import read_json, read_text
+from dspark.schema import is_int
 
 
 def _load_json(path: Path) -> dict:
     if not path.exists():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DSparkError(f"{path} is not valid JSON ({e.msg})") from None
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise DSparkError(f"{path} is not a JSON object")
+    return raw
 
 
 def _token_text(value) -> str | None:
@@ -40,7 +42,9 @@ class ChatTokenizer:
             raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
         self.config = _load_json(self.folder / "tokenizer_config.json")
         template_file = self.folder / "chat_template.jinja"
-        self.chat_template = template_file.read_text() if template_file.exists() else self.config.get("chat_template")
+        self.chat_template = read_text(template_file) if template_file.exists() else self.config.get("chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise DSparkError(f"{self.folder}: chat_template must be text, not {type(self.chat_template).__name__}")
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self._template = None
@@ -49,27 +53,40 @@ class ChatTokenizer:
     def stop_ids(self) -> tuple[int, ...]:
         """generation_config.json eos_token_id (int or list), else the tokenizer's eos token."""
         eos = _load_json(self.folder / "generation_config.json").get("eos_token_id")
-        if eos is None and self.eos_token is not None:
+        if eos is None and isinstance(self.eos_token, str):
             eos = self.tok.token_to_id(self.eos_token)
         if eos is None:
             return ()
-        return tuple(sorted(set(eos if isinstance(eos, list) else [eos])))
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(is_int(i) and i >= 0 for i in ids):
+            raise DSparkError(f"{self.folder}/generation_config.json: eos_token_id {eos!r} is not token ids")
+        return tuple(sorted(set(ids)))
 
     def render(self, prompt: str, system: str | None = None) -> str:
         if not self.chat_template:
             return prompt
-        if self._template is None:
-            def raise_exception(msg):
-                raise DSparkError(f"chat template refused the conversation: {msg}")
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self._template.render(messages=messages, add_generation_prompt=True, enable_thinking=False,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            if self._template is None:
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise_exception
+                self._template = env.from_string(self.chat_template)
+            text = self._template.render(messages=messages, add_generation_prompt=True, enable_thinking=False,
+                                         bos_token=_text_or_empty(self.bos_token),
+                                         eos_token=_text_or_empty(self.eos_token))
+        except DSparkError:
+            raise
+        except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
+            raise DSparkError(f"the chat template of {self.folder} failed: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+        if not isinstance(text, str):
+            raise DSparkError(f"the chat template of {self.folder} did not render text")
+        return text
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
+        for what, text in (("prompt", prompt), ("system prompt", system)):
+            if text is not None and not is_utf8(text):
+                raise DSparkError(f"the {what} is not valid UTF-8 text")
         if not prompt.strip():
             raise DSparkError("empty prompt: give some text")
         return self.tok.encode(self.render(prompt, system), add_special_tokens=False).ids
@@ -79,6 +96,23 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+
+def _raise_exception(msg):
+    raise DSparkError(f"chat template refused the conversation: {msg}")
+
+
+def _text_or_empty(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def is_utf8(text: str) -> bool:
+    """False for text holding lone surrogates (bytes that were not UTF-8, e.g. a command-line argument)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class IncrementalDetokenizer:

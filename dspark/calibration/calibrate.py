@@ -11,7 +11,9 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.calibration.sts import Rounds, fit_sts, reliability, survival
 from dspark.errors import DSparkError
+from dspark.files import Temporary, read_json, write_text_atomic
 from dspark.lazy import optional_import
+from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig
 from dspark.runtime import DecodeOptions, Runtime
 
 
@@ -37,13 +39,34 @@ def write_manifest_calibration(bundle: Path, temps: np.ndarray, meta: dict) -> N
     manifest.write(bundle)
 
 
-def write_draft_temperatures(draft_dir: Path, temps: np.ndarray) -> None:
-    path = draft_dir / "config.json"
-    cfg = json.loads(path.read_text())
+def check_draft_folder(draft_dir: Path, manifest: Manifest) -> dict:
+    """The parsed config.json of a DeepSpec draft checkpoint that belongs to this bundle, checked before any
+    decoding or writing: any other config.json (an HF target's, a web app's) is refused and left alone."""
+    path = Path(draft_dir) / "config.json"
+    if not Path(draft_dir).is_dir() or not path.is_file():
+        raise DSparkError(f"--draft {draft_dir} is not a DeepSpec draft checkpoint (no config.json)")
+    raw = read_json(path, f"draft config {path}")
+    if not isinstance(raw, dict):
+        raise DSparkError(f"draft config {path} is not a JSON object")
+    cfg = DraftConfig.from_dict(raw)
+    if not any((Path(draft_dir) / name).is_file() for name in (WEIGHTS, WEIGHTS_INDEX)):
+        raise DSparkError(f"--draft {draft_dir} has no {WEIGHTS}: not a DeepSpec draft checkpoint")
+    if cfg.block_size != manifest.block_size or not cfg.enable_confidence_head:
+        raise DSparkError(f"--draft {draft_dir} is not this bundle's drafter (block_size {cfg.block_size}, "
+                          f"confidence head {cfg.enable_confidence_head}; the bundle has block_size "
+                          f"{manifest.block_size} and a confidence head)")
+    return raw
+
+
+def write_draft_temperatures(draft_dir: Path, raw: dict, temps: np.ndarray) -> None:
+    cfg = dict(raw)
     cfg["confidence_temperatures"] = [float(t) for t in temps]
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(Path(draft_dir) / "config.json", json.dumps(cfg, indent=2) + "\n")
+
+
+def check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DSparkError(f"--out {out_dir} exists and is not a folder")
 
 
 def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path: Path, bins: int = 10) -> None:
@@ -73,18 +96,30 @@ def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path
 
 def calibrate(bundle: Path, prompts: list[str], out_dir: Path, draft_dir: Path | None = None,
               max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8) -> dict:
+    """Every input is checked first; then calibration.json and reliability.png, the manifest and the draft's
+    config.json are each written atomically (a temporary renamed into place), and only after decoding."""
+    manifest = Manifest.read(bundle)
+    draft_raw = check_draft_folder(draft_dir, manifest) if draft_dir is not None else None
+    check_out_dir(out_dir)
     rounds = collect_rounds(bundle, prompts, max_new_tokens, temperature, batch_size)
     bk = rounds.conf_logits.shape[1]
     before = np.ones(bk)
     temps = fit_sts(rounds)
+    if not np.all(np.isfinite(temps)) or np.any(temps <= 0):
+        raise DSparkError(f"the fitted STS temperatures {temps.tolist()} are not positive numbers; nothing written")
     report = {"bundle": str(bundle), "prompts": len(prompts), "rounds": int(len(rounds.proposed)),
               "temperature": temperature, "sts_temperatures": temps.tolist(),
               "before": reliability(rounds, before), "after": reliability(rounds, temps)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_reliability(rounds, before, temps, out_dir / "reliability.png")
+    write_text_atomic(out_dir / "calibration.json", json.dumps(report, indent=2) + "\n")
+    png = Temporary(out_dir / "reliability.png")
+    try:
+        plot_reliability(rounds, before, temps, png.path / "reliability.png")
+        os.replace(png.path / "reliability.png", out_dir / "reliability.png")
+    finally:
+        png.remove()
     write_manifest_calibration(bundle, temps, {"rounds": report["rounds"], "decode_temperature": temperature,
                                                "ece_after": [r["ece"] for r in report["after"]]})
-    if draft_dir is not None:
-        write_draft_temperatures(draft_dir, temps)
+    if draft_raw is not None:
+        write_draft_temperatures(draft_dir, draft_raw, temps)
     return report

@@ -6,11 +6,14 @@ Stored in the manifest as calibration.sps_table (entry n-1 = steps/s at n tokens
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from dspark.bundle import Manifest
+from dspark.runtime.measure import needs_sps_table
+from dspark.runtime.scheduler import VerifyPolicy
 
 clock = time.perf_counter
 
@@ -75,3 +78,28 @@ def write_sps(bundle: Path, result: dict) -> None:
     manifest = Manifest.read(bundle)
     manifest.calibration.update(result)
     manifest.write(bundle)
+
+
+def ensure_sps_table(rt, policy: VerifyPolicy | str | None = None, max_batch: int = 1,
+                     say: Callable[[str], None] | None = None) -> bool:
+    """Profile the SPS table on first use when `policy` (any policy if None) needs one and the bundle has none
+    covering `max_batch` requests: stored in the bundle's manifest (in memory only where the bundle is read-only)
+    and in `rt.manifest`, so decoders made afterwards use it. A batch-1 profile takes seconds; beyond the batches
+    it covers, a table extrapolates linearly, which overrates the cost of larger batches.
+    Torch-free: the run, bench and demo commands call it before decoding. Returns True when it profiled."""
+    if policy is not None and not needs_sps_table(policy):
+        return False
+    table = rt.manifest.calibration.get("sps_table") or []
+    if len(table) >= min(max_batch, rt.backend.max_batch or max_batch) * (rt.manifest.block_size + 1):
+        return False
+    say = say or (lambda message: None)
+    batches = "batch 1" if max_batch == 1 else f"batch 1..{max_batch}"
+    what = "no SPS table" if not table else f"the SPS table covers {len(table)} batch tokens"
+    say(f"{what} in {rt.folder}: profiling the verifier's steps/s once at {batches}, stored in its manifest")
+    result = profile(rt, max_batch=max_batch)
+    rt.manifest.calibration.update(result)
+    try:
+        write_sps(rt.folder, result)
+    except OSError as e:
+        say(f"could not store the SPS table in {rt.folder} ({e.strerror}): it is profiled again next time")
+    return True

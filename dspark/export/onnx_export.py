@@ -4,9 +4,9 @@ from __future__ import annotations
 import datetime
 import importlib.metadata as md
 import logging
-import os
 import shutil
-import tempfile
+import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -15,14 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from dspark import __version__
-from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, sha256_file
+from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.check import record_check_data
 from dspark.export.passes import fold_weight_transposes, optimize_graph
+from dspark.files import Temporary, replace_folder
 from dspark.models.draft_vocab import read_ranking, shortlist
 from dspark.models.pair import Pair
 from dspark.ops.confidence_truncate.onnx_function import attach_functions
@@ -33,20 +35,40 @@ EXTERNAL_DATA_BYTES = 64 << 20  # graphs with more weight than this keep it in <
 
 
 class Progress:
-    """One line per step on stderr with its duration; quiet=True prints nothing."""
+    """A line on stderr when a step starts, an elapsed-time line every `every` s while it runs past `after` s, and
+    its duration when it ends: written with tqdm.write, so they never land inside the tqdm bars of the libraries
+    a step calls (GGUF dequantization, weight loading). quiet=True prints nothing."""
 
-    def __init__(self, total: int, quiet: bool = False):
+    def __init__(self, total: int, quiet: bool = False, after: float = 5.0, every: float | None = None):
         self.total, self.quiet, self.i = total, quiet, 0
+        self.after = after
+        self.every = every or (10.0 if sys.stderr.isatty() else 30.0)
+
+    def say(self, line: str) -> None:
+        if not self.quiet:
+            tqdm.write(line, file=sys.stderr)
+
+    def _tick(self, label: str, t0: float, done: threading.Event) -> None:
+        wait = self.after
+        while not done.wait(wait):
+            self.say(f"{label} ... {time.perf_counter() - t0:.0f}s")
+            wait = self.every
 
     @contextmanager
     def step(self, what: str):
         self.i += 1
+        label = f"[{self.i}/{self.total}] {what}"
+        self.say(label)
         t0 = time.perf_counter()
+        done = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(label, t0, done), daemon=True)
         if not self.quiet:
-            print(f"[{self.i}/{self.total}] {what} ...", end="", flush=True, file=os.sys.stderr)
-        yield
-        if not self.quiet:
-            print(f" {time.perf_counter() - t0:.1f}s", file=os.sys.stderr, flush=True)
+            ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+        self.say(f"{label}: done in {time.perf_counter() - t0:.1f}s")
 
 
 @dataclass
@@ -240,18 +262,14 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     greedy tokens) for `dspark-export check`. With draft_vocab, the heads draft from that many tokens: the stop
     tokens, then `ranking` (default: the draft checkpoint's draft_vocab.json), then by id."""
     output = Path(output)
-    if output.exists() and not force:
-        raise DSparkError(f"{output} exists; pass --force to replace it")
-    if output.exists() and not (output / MANIFEST).exists() and any(output.iterdir()):
-        raise DSparkError(f"{output} exists and is not a dspark bundle; refusing to replace it")
+    check_replaceable(output, force)
     progress = progress or Progress(6 if check_data else 5, quiet)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.tmp-"))
-    tmp.chmod(0o755)
+    staging = Temporary(output)
+    tmp = staging.path
     try:
         for f in pair.loaded.tokenizer_files():
             if f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
+                shutil.copyfile(f, tmp / f.name)
         stop_ids = ChatTokenizer(tmp).stop_ids
         if draft_vocab is not None:
             pair.drafter.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
@@ -268,9 +286,10 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         if check_data:
             with progress.step("recording reference data for `dspark-export check`"):
                 record_check_data(pair, tmp)
-        _replace_dir(tmp, output)
+        check_replaceable(output, force)  # still true now that the new bundle is ready?
+        replace_folder(staging, output)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.remove()
         raise
     return output
 
@@ -286,11 +305,24 @@ def _draft_ids(pair: Pair, size: int, ranking: list[int] | None, stop_ids: tuple
     return shortlist(ranking, size, vocab, stop_ids)
 
 
-def _replace_dir(new: Path, dest: Path) -> None:
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(new, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, dest)
+def check_replaceable(output: Path, force: bool) -> None:
+    """Refuse an existing output unless --force and it is empty or provably a dspark bundle holding nothing but
+    bundle files (so a folder of the user's that merely holds a manifest.json is never deleted)."""
+    if not output.exists() and not output.is_symlink():
+        return
+    if not force:
+        raise DSparkError(f"{output} exists; pass --force to replace it")
+    if output.is_symlink() or not output.is_dir():
+        raise DSparkError(f"{output} exists and is not a folder; refusing to replace it")
+    entries = sorted(p.name for p in output.iterdir())
+    if not entries:
+        return
+    manifest = is_bundle(output)
+    if manifest is None:
+        raise DSparkError(f"{output} exists and is not a dspark bundle; refusing to replace it (choose another "
+                          f"--output)")
+    foreign = [name for name in entries if name not in manifest.own_files()]
+    if foreign:
+        more = f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else ""
+        raise DSparkError(f"{output} is a dspark bundle but also holds {', '.join(foreign[:3])}{more}, which "
+                          f"--force would delete; move them out first")

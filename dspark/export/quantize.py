@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-from dspark.bundle import MANIFEST, Manifest, sha256_file
+from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
+from dspark.files import Temporary, normal_mode, replace_folder
 
 QUANTIZABLE = ("heads", "draft")
 
@@ -42,22 +42,36 @@ def _load_unlinked(bundle: Path, file: str):
     """onnx.load, also for a bundle copied with hard links (cp -al), whose external data onnx refuses to read
     ("potential hardlink attack"): then the graph is read from a private copy."""
 
-    files = [f for f in (file, f"{file}.data") if (bundle / f).exists()]
+    files = [f for f in (file, f"{file}.data") if Manifest.path(bundle, f).exists()]
     if all((bundle / f).stat().st_nlink == 1 for f in files):
         return onnx.load(str(bundle / file))
-    private = Path(tempfile.mkdtemp(dir=bundle.parent, prefix=f".{bundle.name}.read-"))
+    private = Temporary(bundle.with_name(f"{bundle.name}.read"))
     try:
         for f in files:
-            shutil.copyfile(bundle / f, private / f)
-        return onnx.load(str(private / file))
+            shutil.copyfile(bundle / f, private.path / f)
+        return onnx.load(str(private.path / file))
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        private.remove()
+
+
+def _linked_copy(bundle: Path, into: Path) -> None:
+    """Every file of the bundle in `into` as a hard link (a copy where links are impossible): the new bundle
+    shares what it does not change, and what it changes gets new files, so no other copy is written through."""
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(bundle, into, copy_function=link, dirs_exist_ok=True)
 
 
 def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size: int = 32,
                    accuracy_level: int = 4, min_elements: int = 1 << 20) -> dict:
     """Replace BUNDLE/<graph>.onnx by its MatMulNBits version (MatMuls with weights of >= min_elements only) and
-    record it in the manifest. Files are written beside the bundle first and moved in, the manifest last."""
+    record it in the manifest. The new graph, its data and the manifest are written into a copy of the bundle
+    (hard links) that replaces the bundle in one step: readers see the old set or the new one, never a mix."""
 
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
@@ -85,20 +99,25 @@ def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size
     quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=small, algo_config=config)
     quantizer.process()
     qmodel = quantizer.model.model
-    tmp = Path(tempfile.mkdtemp(dir=bundle.parent, prefix=f".{bundle.name}.quant-"))
-    try:
+    staging = Temporary(bundle)
+    try:  # the new bundle is the old one with graph, data and manifest replaced, swapped in as one folder
+        tmp = staging.path
+        _linked_copy(bundle, tmp)
         data = f"{spec.file}.data"
+        for name in (spec.file, data):
+            (tmp / name).unlink(missing_ok=True)
         onnx.save(qmodel, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=data, size_threshold=1024)
+        for name in (spec.file, data):
+            if (tmp / name).exists():
+                normal_mode(tmp / name)
         record = {"bits": bits, "block_size": block_size, "accuracy_level": accuracy_level, "op": "MatMulNBits",
                   "matmuls": big, "fp32_sha256": spec.sha256}
         spec.sha256 = sha256_file(tmp / spec.file)
         manifest.quantized[graph] = record
         manifest.write(tmp)
-        # Replace (never write through) so a bundle copied with hard links keeps its original files.
-        for name in (data, spec.file, MANIFEST):
-            if (tmp / name).exists():
-                os.replace(tmp / name, bundle / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        replace_folder(staging, bundle)
+    except BaseException:
+        staging.remove()
+        raise
     return record

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -10,11 +12,11 @@ from safetensors.torch import save_file
 
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
-from dspark.models.config import DraftConfig, TargetConfig
+from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.resolve import resolve_draft
+from dspark.schema import Fields, contained
 
-WEIGHTS = "model.safetensors"
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -25,19 +27,64 @@ def read_draft_config(folder: Path) -> DraftConfig:
     raw = read_json(path, f"draft config {path}")
     if not isinstance(raw, dict):
         raise DSparkError(f"draft config {path} is not a JSON object")
-    return DraftConfig.from_dict(raw)
+    return DraftConfig.from_dict(raw, f"draft config {path}")
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards model-0000i-of-0000n.safetensors its index lists (checked first)."""
+    index = path.parent / WEIGHTS_INDEX
+    if not path.exists() and index.exists():
+        return _read_shards(path.parent, index)
     if not path.exists():
         pickles = [p.name for p in path.parent.glob("*.bin")] + [p.name for p in path.parent.glob("*.pt")]
         hint = f" ({', '.join(pickles)} are pickles and are never loaded)" if pickles else ""
         raise DSparkError(f"draft folder {path.parent} has no {WEIGHTS}{hint}")
+    return _read_file(path)
+
+
+def _read_file(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            keys = set(f.keys())
+            if names is not None and names - keys:
+                raise DSparkError(f"draft shard {path.name} lacks {sorted(names - keys)[0]}, which "
+                                  f"{WEIGHTS_INDEX} places there")
+            return {k: f.get_tensor(k) for k in (keys if names is None else names)}
     except (SafetensorError, OSError, ValueError) as e:
         raise DSparkError(f"draft weights {path} are corrupt or not safetensors ({str(e).splitlines()[0]})") from None
+
+
+def read_shard_index(folder: Path) -> dict[str, set[str]]:
+    """shard file -> tensor names, from model.safetensors.index.json, every shard a .safetensors file inside the
+    checkpoint folder (DSparkError otherwise)."""
+    index = folder / WEIGHTS_INDEX
+    weight_map = Fields(read_json(index, f"draft index {index}"), f"draft index {index}").obj("weight_map").raw
+    if not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise DSparkError(f"draft index {index}: weight_map must map tensor names to shard files")
+    shards: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        path = contained(folder, shard, "draft checkpoint")
+        if not shard.endswith(".safetensors") or not path.is_file():
+            raise DSparkError(f"draft index {index} lists shard {shard!r}, which is not a .safetensors file there")
+        shards.setdefault(shard, set()).add(name)
+    return shards
+
+
+def _read_shards(folder: Path, index: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in sorted(read_shard_index(folder).items()):
+        tensors.update(_read_file(folder / shard, names))
+    return tensors
+
+
+def check_draft_folder(name_or_path: str | Path) -> DraftConfig:
+    """The checks that need no weights (config schema, shard index), so a bad draft is refused before a target
+    is loaded."""
+    folder = resolve_draft(str(name_or_path))
+    cfg = read_draft_config(folder)
+    if not (folder / WEIGHTS).exists() and (folder / WEIGHTS_INDEX).exists():
+        read_shard_index(folder)
+    return cfg
 
 
 def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
@@ -84,15 +131,41 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
     return drafter.eval()
 
 
-def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = False,
+def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = True,
                dtype: torch.dtype = torch.bfloat16, overwrite: bool = True) -> Path:
-    """Write config.json + model.safetensors atomically (a temporary folder renamed into place)."""
+    """Write config.json + model.safetensors atomically (a temporary folder renamed into place). With the shared
+    embed_tokens/lm_head (the default) DeepSpec loads it as is; without them it is smaller, but DeepSpec would
+    initialise those two randomly. Only an empty folder or an earlier draft checkpoint is replaced."""
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise DSparkError(f"{folder} exists; pass --force to overwrite")
+    _check_replaceable(folder)
+    if not include_shared:
+        print(f"warning: {folder} leaves out embed_tokens/lm_head (they come from the target): dspark loads it, "
+              f"DeepSpec cannot", file=sys.stderr)
     state = drafter.state_dict() if include_shared else drafter.trainable_state_dict()
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    tensors = {k: v.detach().to(dtype, copy=True).contiguous() for k, v in state.items()}  # tied: 2 copies
     with atomic_folder(folder) as tmp:
+        for name in KEEP_BESIDE_WEIGHTS:  # written beside the weights by other steps (dspark train)
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
     return folder
+
+
+KEEP_BESIDE_WEIGHTS = ("draft_vocab.json", "README.md")
+
+
+def _check_replaceable(folder: Path) -> None:
+    if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
+        return
+    try:
+        read_draft_config(folder)
+        ok = folder.is_dir() and all(p.name in ("config.json", WEIGHTS, *KEEP_BESIDE_WEIGHTS) for p in folder.iterdir())
+    except DSparkError:
+        ok = False
+    if not ok:
+        raise DSparkError(f"{folder} exists and is not a dspark draft checkpoint (config.json, {WEIGHTS}); "
+                          f"refusing to replace it")
+

@@ -5,15 +5,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark.errors import DSparkError
+from dspark.schema import Fields, check_number
 
 SUPPORTED_FAMILIES = ("llama", "qwen3")
+WEIGHTS = "model.safetensors"  # a DeepSpec checkpoint's weights, or shards listed by WEIGHTS_INDEX
+WEIGHTS_INDEX = "model.safetensors.index.json"
+DEEPSPEC_NUM_ANCHORS = 512  # anchors per sequence in DeepSpec's training (its config.json must name it)
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
 
-def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+def _rope(cfg: Fields) -> dict[str, Any]:
     """rope_parameters in the transformers 5 layout (older configs keep rope_theta/rope_scaling at top level)."""
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = dict(Fields(raw, f"{cfg.where}.rope_parameters").raw)
+    rope.setdefault("rope_theta", cfg.number("rope_theta", positive=True, default=10000.0))
+    check_number(rope["rope_theta"], f"{cfg.where}.rope_theta", positive=True)
     rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type") or "default"
     if rope["rope_type"] not in ("default", "llama3"):
         raise DSparkError(f"rope_type {rope['rope_type']!r} is not supported (supported: default, llama3)")
@@ -35,18 +41,22 @@ class LayerGeometry:
     rope: dict[str, Any] = field(compare=False, hash=False)
 
 
-def _geometry(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LayerGeometry's fields from an HF config.json (num_key_value_heads and head_dim may be absent)."""
-    d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+def _geometry(cfg: Fields) -> dict[str, Any]:
+    """LayerGeometry's fields from an HF config.json (num_key_value_heads and head_dim may be absent), each
+    checked for type and range."""
+    d, heads = cfg.integer("hidden_size", 1), cfg.integer("num_attention_heads", 1)
+    kv = cfg.integer("num_key_value_heads", 1, heads, default=heads)
+    if heads % kv:
+        cfg.fail("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
     return dict(
         hidden_size=d,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=cfg.integer("num_hidden_layers", 1, 4096),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or d // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        num_kv_heads=kv,
+        head_dim=cfg.integer("head_dim", 1, default=d // heads or None),
+        intermediate_size=cfg.integer("intermediate_size", 1),
+        vocab_size=cfg.integer("vocab_size", 1),
+        rms_norm_eps=cfg.number("rms_norm_eps", positive=True),
         rope=_rope(cfg),
     )
 
@@ -57,11 +67,13 @@ class TargetConfig(LayerGeometry):
     tie_word_embeddings: bool
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "TargetConfig":
-        family = cfg.get("model_type")
+    def from_dict(cls, cfg: dict[str, Any], where: str = "target config") -> "TargetConfig":
+        family = cfg.get("model_type") if isinstance(cfg, dict) else None
         if family not in SUPPORTED_FAMILIES:
             raise DSparkError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
-        return cls(**_geometry(cfg), family=family, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        fields = Fields(cfg, where)
+        return cls(**_geometry(fields), family=family,
+                   tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False))
 
 
 @dataclass(frozen=True)
@@ -93,29 +105,30 @@ class DraftConfig(LayerGeometry):
         return self.confidence_temperatures or (1.0,) * self.block_size
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, cfg: dict[str, Any], where: str = "draft config") -> "DraftConfig":
+        """The draft config schema: every field's type and range and the relations between them (DSparkError)."""
+        fields = Fields(cfg, where)
         archs = cfg.get("architectures") or []
-        if not any(a.endswith("DSparkModel") for a in archs):
+        if not isinstance(archs, list) or not any(isinstance(a, str) and a.endswith("DSparkModel") for a in archs):
             raise DSparkError(f"not a DSpark draft config (architectures={archs!r}, expected e.g. ['Qwen3DSparkModel'])")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size", "rms_norm_eps", "target_layer_ids", "block_size", "mask_token_id",
                                "num_target_layers") if k not in cfg]
         if missing:
             raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
-        rank = int(cfg.get("markov_rank", 0) or 0)
-        enable_conf = bool(cfg.get("enable_confidence_head", False))
-        with_markov = bool(cfg.get("confidence_head_with_markov", rank > 0))
+        rank = fields.integer("markov_rank", 0, 1 << 16, default=0)
+        temps = fields.number_list("confidence_temperatures", positive=True, default=[])
         out = cls(
-            **_geometry(cfg),
-            num_target_layers=int(cfg["num_target_layers"]),
-            target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
-            block_size=int(cfg["block_size"]),
-            mask_token_id=int(cfg["mask_token_id"]),
+            **_geometry(fields),
+            num_target_layers=fields.integer("num_target_layers", 1, 4096),
+            target_layer_ids=tuple(fields.int_list("target_layer_ids", -1, 4096)),
+            block_size=fields.integer("block_size", 1, 1024),
+            mask_token_id=fields.integer("mask_token_id"),
             markov_rank=rank,
-            markov_head_type=str(cfg.get("markov_head_type", "vanilla")),
-            enable_confidence_head=enable_conf,
-            confidence_head_with_markov=with_markov,
-            confidence_temperatures=tuple(float(t) for t in cfg.get("confidence_temperatures") or ()),
+            markov_head_type=fields.string("markov_head_type", default="vanilla"),
+            enable_confidence_head=fields.boolean("enable_confidence_head", default=False),
+            confidence_head_with_markov=fields.boolean("confidence_head_with_markov", default=rank > 0),
+            confidence_temperatures=tuple(temps),
             extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
         )
         out.validate()
@@ -125,6 +138,7 @@ class DraftConfig(LayerGeometry):
         ids = list(self.target_layer_ids)
         if not ids or ids != sorted(set(ids)) or ids[0] < -1:
             raise DSparkError(f"draft target_layer_ids {ids} must be strictly increasing ids >= -1")
+        _check_taps(ids, self.num_target_layers, "draft target_layer_id")
         if self.markov_head_type not in MARKOV_TYPES:
             raise DSparkError(f"draft markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_TYPES)}")
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
@@ -160,6 +174,7 @@ class DraftConfig(LayerGeometry):
             mask_token_id=self.mask_token_id,
             enable_confidence_head=self.enable_confidence_head,
             markov_rank=self.markov_rank,
+            num_anchors=self.extra.get("num_anchors", DEEPSPEC_NUM_ANCHORS),  # DeepSpec's model asserts it
         )
         if self.enable_confidence_head:
             cfg["confidence_head_with_markov"] = self.confidence_head_with_markov
@@ -179,11 +194,15 @@ class DraftConfig(LayerGeometry):
         for name, ours, theirs in checks:
             if ours != theirs:
                 raise DSparkError(f"draft does not fit the target: draft {name}={ours}, target has {theirs}")
-        last = target.num_layers - 1
-        for i in self.target_layer_ids:
-            if i >= last:
-                what = "is the target's last layer" if i == last else f"is beyond the target's {target.num_layers} layers"
-                raise DSparkError(f"draft does not fit the target: target_layer_id {i} {what} (allowed: -1..{last - 1})")
+        _check_taps(self.target_layer_ids, target.num_layers, "draft does not fit the target: target_layer_id")
+
+
+def _check_taps(ids, num_layers: int, what: str) -> None:
+    last = num_layers - 1
+    for i in ids:
+        if i >= last:
+            where = "is the target's last layer" if i == last else f"is beyond the target's {num_layers} layers"
+            raise DSparkError(f"{what} {i} {where} (allowed: -1..{last - 1})")
 
 
 _DRAFT_KEYS = {

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.models.checkpoint import load_draft
+from dspark.errors import DSparkError
+from dspark.models.checkpoint import check_draft_folder, load_draft
 from dspark.models.config import draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
 from dspark.models.target import LoadedTarget, TargetModel, load_target
@@ -39,7 +40,7 @@ def choose_mask_token(loaded: LoadedTarget) -> int:
     specials = [t for t in tok.get("added_tokens", []) if t.get("special") and t["id"] not in reserved
                 and t["content"] not in template]
     if not specials:
-        raise ValueError("no spare token for the draft's mask slot; pass --mask-token-id")
+        raise DSparkError("no spare token for the draft's mask slot; pass --mask-token-id")
     return max(t["id"] for t in specials)
 
 
@@ -52,11 +53,24 @@ def random_drafter(loaded: LoadedTarget, seed: int = 0, **kw) -> DSparkDrafter:
     return drafter.eval()
 
 
+def random_seed(draft: str, default: int) -> int:
+    """The SEED of 'random:SEED' (a non-negative integer), else `default`."""
+    if ":" not in draft:
+        return default
+    text = draft.split(":", 1)[1]
+    if not text.isascii() or not text.isdigit() or int(text) >= 1 << 63:
+        raise DSparkError(f"--draft {draft!r}: random:SEED takes a non-negative integer seed")
+    return int(text)
+
+
 def load_pair(target: str, draft: str, seed: int = 0) -> Pair:
     """`draft` is a checkpoint folder, a short name, or 'random' / 'random:SEED' (an untrained drafter)."""
+    if draft == RANDOM or draft.startswith(RANDOM + ":"):
+        seed = random_seed(draft, seed)
+    else:
+        check_draft_folder(draft)  # refuse a bad draft before the (slow) target load
     loaded = load_target(target)
     if draft == RANDOM or draft.startswith(RANDOM + ":"):
-        seed = int(draft.split(":", 1)[1]) if ":" in draft else seed
         drafter = random_drafter(loaded, seed)
     else:
         body = loaded.hf_model

@@ -1,14 +1,16 @@
 """The target LLM with an explicit, fixed-capacity KV cache and the DeepSpec feature taps."""
 from __future__ import annotations
 
-import hashlib
+import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dspark.bundle import sha256_file
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
@@ -140,10 +142,25 @@ class LoadedTarget:
         return [self.folder / f for f in TOKENIZER_FILES if (self.folder / f).exists()]
 
 
+@lru_cache(maxsize=8)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
 def _gguf_cache_folder(gguf: Path) -> Path:
+    """targets/<stem>-<sha256 prefix>: keyed by the file's content (the hash the manifest records), so every
+    copy of the same GGUF, in any venv, shares one dequantized folder."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    return cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf.resolve(), st.st_size, st.st_mtime_ns)[:16]}"
+
+
+def _write_hf_config(folder: Path) -> None:
+    """config.json as HF writes it for an unquantized model: no "quantization_config" key at all (a null one
+    stops tools such as onnxruntime-genai's model builder)."""
+    path = folder / "config.json"
+    config = read_json(path)
+    if config.pop("quantization_config", "absent") != "absent":
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _convert_gguf(gguf: Path) -> Path:
@@ -163,6 +180,7 @@ def _convert_gguf(gguf: Path) -> Path:
     with atomic_folder(folder) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        _write_hf_config(tmp)
     return folder
 
 

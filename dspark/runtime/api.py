@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
 from typing import Iterator, Sequence
 
 from dspark.bundle import Manifest
@@ -61,6 +63,8 @@ class Runtime:
         """backend: a registered backend's name ("onnxruntime" on CPU; "tensorrt": the bundle's engines from
         `dspark-export build`, driven through cuda-python with device-resident caches, where `cuda_graphs` replays
         each engine launch as a CUDA graph), or a Backend object already made for this bundle."""
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
         self.folder = Path(bundle)
         self.manifest = Manifest.read(self.folder)
         self.tokenizer = ChatTokenizer(self.folder)
@@ -83,15 +87,25 @@ class Runtime:
         """Text goes through the chat template; a list of ids is used as is."""
         if isinstance(prompt, str):
             return self.tokenizer.encode_chat(prompt)
-        ids = [int(t) for t in prompt]
+        if isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, Sequence | np.ndarray):
+            raise DSparkError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
         vocab = self.manifest.target["vocab_size"]
-        if any(not 0 <= t < vocab for t in ids):
-            raise DSparkError(f"token ids must lie in 0..{vocab - 1}")
-        return ids
+        for t in prompt:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise DSparkError(f"token id {t!r} is not an integer in 0..{vocab - 1}")
+        return [int(t) for t in prompt]
+
+    def _encode_all(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence | np.ndarray):
+            raise DSparkError(f"prompts must be a list of prompts, not {type(prompts).__name__} (for one prompt: "
+                              f"[prompt] or Runtime.stream)")
+        return [self.encode(p) for p in prompts]
 
     def decoder(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions()) -> Decoder:
         """Requests beyond `options.batch_size` wait in a queue and take the first slot that frees up."""
-        return Decoder(self.backend, self.manifest, [self.encode(p) for p in prompts], options)
+        if not isinstance(options, DecodeOptions):
+            raise DSparkError(f"options must be DecodeOptions, not {type(options).__name__}")
+        return Decoder(self.backend, self.manifest, self._encode_all(prompts), options)
 
     def generate(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions()) -> list[RequestResult]:
         """Decode to the end; each result carries its token ids and `text`."""

@@ -39,6 +39,7 @@ class RequestResult:
     seconds: float = 0.0
     taps: list = field(default_factory=list, repr=False)  # target features per position (record_taps=True)
     text: str = ""  # the decoded tokens (Runtime.generate fills it in)
+    error: str | None = None  # why this request was refused (it alone; the batch's other requests still run)
 
     @property
     def tau(self) -> float:
@@ -96,7 +97,8 @@ class Decoder:
         self.backend, self.manifest, self.options = backend, manifest, options
         self.block_size = manifest.block_size
         self.ar = options.ar
-        self.capacity = self._capacity(max(map(len, prompts)), capacity)
+        refused = self._refuse_overflowing(prompts)
+        self.capacity = self._capacity(max(len(p) for i, p in enumerate(prompts) if i not in refused), capacity)
         b = min(options.batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
         t, d = manifest.target, manifest.draft
         # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
@@ -116,8 +118,10 @@ class Decoder:
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)
         self.results = [RequestResult(prompt_ids=list(p)) for p in prompts]
+        for i, why in refused.items():
+            self.results[i].error, self.results[i].done = why, True
         self.times = StepTimes()
-        self.queue = deque(range(len(prompts)))
+        self.queue = deque(i for i in range(len(prompts)) if i not in refused)
         self.slot_req = [-1] * b  # request index held by each slot, -1 = free
         self.noise: list[RequestNoise | None] = [None] * b
         self.anchor = np.zeros(b, dtype=np.int64)
@@ -128,12 +132,46 @@ class Decoder:
         self._zero = np.zeros(b, dtype=np.int64)
         self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
 
-    def _capacity(self, longest: int, capacity: int | None) -> int:
+    @property
+    def context_limit(self) -> int:
         fixed = self.backend.fixed_capacity  # engines built for one cache size (TensorRT)
-        limit = min(self.manifest.max_context, fixed or self.manifest.max_context)
-        if longest + self.block_size + 2 > limit:
-            raise DSparkError(f"prompt of {longest} tokens is too long for the bundle's max context {limit}")
-        return fixed or capacity or min(longest + self.options.max_new_tokens + self.block_size + 1, limit)
+        return min(self.manifest.max_context, fixed or self.manifest.max_context)
+
+    def _refuse_overflowing(self, prompts: list[list[int]]) -> dict[int, str]:
+        """Requests whose prompt + max_new_tokens cannot fit the context, with why; every other request is served
+        (the last positions of a request near the limit are plain verifier steps). All refused: DSparkError."""
+        limit, new = self.context_limit, self.options.max_new_tokens
+        refused = {}
+        for i, p in enumerate(prompts):
+            if len(p) >= limit:
+                refused[i] = (f"prompt of request {i} ({len(p)} tokens) is too long for the bundle's max context "
+                              f"{limit}")
+            elif len(p) + new > limit:
+                refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
+                              f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
+                              f"or max_new_tokens")
+        if len(refused) == len(prompts):
+            raise DSparkError(refused[0])
+        return refused
+
+    def _capacity(self, longest: int, capacity: int | None) -> int:
+        return self.backend.fixed_capacity or capacity or min(
+            longest + self.options.max_new_tokens + self.block_size + 1, self.context_limit)
+
+    def _room_to_draft(self, live: np.ndarray) -> bool:
+        """Whether every live slot can take a full drafted round (anchor + block); if not, the round is a plain
+        verifier step, so a request that fits the context exactly is served to its last position."""
+        return all(self.kv.room(int(slot)) >= self.block_size + 1 for slot in np.flatnonzero(live))
+
+    def _run(self, graph: str, feeds: dict) -> dict:
+        """One graph call; an engine's run-time failure (bad values, out of memory) becomes one DSparkError line."""
+        try:
+            return getattr(self.backend, graph).run(feeds)
+        except DSparkError:
+            raise
+        except Exception as e:  # onnxruntime / TensorRT raise their own exception types
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DSparkError(f"the {graph} graph failed at run time: {first[:300]}") from None
 
     @property
     def batch(self) -> int:
@@ -143,7 +181,7 @@ class Decoder:
 
     def _verify(self, feeds_kv: dict, mask: np.ndarray, tokens, logit_index, verify_len, temperature, accept,
                 sample, draft_probs):
-        out = self.backend.verifier.run({
+        out = self._run("verifier", {
             "tokens": tokens, "past_mask": mask, "logit_index": logit_index, "verify_len": verify_len,
             "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
             **feeds_kv,
@@ -168,7 +206,7 @@ class Decoder:
             tokens[i, :len(p)] = p
         for slot, req in zip(slots, reqs):
             self.slot_req[slot] = req
-            self.noise[slot] = RequestNoise(self.options.seed, self.request_ids[req])
+            self._open_slot(slot, req)
             self.kv.commit(slot, 0)
             self.draft_kv.commit(slot, 0)
             self.kv.check_room(slot, tokens.shape[1], request=self.request_ids[req])
@@ -177,7 +215,7 @@ class Decoder:
         src = [self.noise[s] for s in slots]
         t0 = time.perf_counter()
         _, first, taps, new_kv = self._verify(
-            *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], self._zero[:n], self.temperature[:n],
+            *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], self._zero[:n], self.temperature[slots],
             stack(src, 1), stack(src, 1)[:, 0], self._no_drafts[:n])
         self.times.prefill += time.perf_counter() - t0
         events = []
@@ -192,9 +230,16 @@ class Decoder:
             events.append(Event(req, self._take(slot, [int(first[i])]), self.results[req].done))
         return events
 
+    def _open_slot(self, slot: int, req: int) -> None:
+        """Per-request state of a slot taking a request (dspark.runtime.engine adds per-request options)."""
+        self.noise[slot] = RequestNoise(self.options.seed, self.request_ids[req])
+
+    def _max_new_tokens(self, req: int) -> int:
+        return self.options.max_new_tokens
+
     def _draft(self, live: np.ndarray):
         t0 = time.perf_counter()
-        out = self.backend.draft.run({"ctx_features": self.ctx.feed(), "ctx_count": self.ctx.count,
+        out = self._run("draft", {"ctx_features": self.ctx.feed(), "ctx_count": self.ctx.count,
                                       "anchor": self.anchor, "past_mask": self.draft_kv.past_mask(),
                                       **self.draft_kv.feeds})
         new_kv = self._state(out["new_draft_kv"])
@@ -206,10 +251,9 @@ class Decoder:
             self.draft_kv.commit(slot, int(self.draft_kv.lengths[slot]) + count)
         self.ctx.count[:] = 0  # consumed
         noises = [src if alive else None for src, alive in zip(self.noise, live)]
-        heads = self.backend.heads.run({"hidden": out["hidden"], "anchor": self.anchor,
-                                        "temperature": self.temperature,
-                                        "draft_noise": stack(noises, self.block_size),
-                                        "conf_temperatures": self.conf_temps, **self.planner.feeds(live)})
+        heads = self._run("heads", {"hidden": out["hidden"], "anchor": self.anchor, "temperature": self.temperature,
+                                    "draft_noise": stack(noises, self.block_size), "conf_temperatures": self.conf_temps,
+                                    **self.options.heads_feeds(self.planner.feeds(live))})
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
@@ -218,7 +262,7 @@ class Decoder:
         survival = heads["survival"].numpy()
         if self.gate is not None:
             self.gate.observe(survival, live, t2 - t0)
-        verify_len = self.planner.after(survival, live, heads["verify_len"].numpy())
+        verify_len = self.options.cut(survival, self.planner.after(survival, live, heads["verify_len"].numpy()))
         return heads["draft_tokens"].numpy(), heads["draft_probs"], verify_len
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
@@ -232,7 +276,7 @@ class Decoder:
             if tok in self.stop_ids:
                 res.stopped = res.done = True
                 break
-            if len(res.token_ids) + len(out) >= self.options.max_new_tokens:
+            if len(res.token_ids) + len(out) >= self._max_new_tokens(self.slot_req[slot]):
                 res.done = True
                 break
         res.token_ids += out
@@ -280,17 +324,22 @@ class Decoder:
         start = time.perf_counter()
         yield from self._fill_free_slots()
         while any(r >= 0 for r in self.slot_req):
-            live = np.array([r >= 0 for r in self.slot_req])
-            noises = [src if alive else None for src, alive in zip(self.noise, live)]
-            plain = self.ar or (self.gate is not None and not self.gate.should_draft(live))
-            tokens, drafts, draft_probs, verify_len = self._plan(live, plain)
-            accepted, nxt, taps, new_kv = self._verify_round(tokens, verify_len, draft_probs, noises, plain, live)
-            host_taps = self._host(taps) if self.options.record_taps else None
-            for slot in np.flatnonzero(live):
-                yield self._commit(slot, int(accepted[slot]), drafts, int(nxt[slot]), int(verify_len[slot]),
-                                   tokens.shape[1], taps, new_kv, host_taps)
+            yield from self._round()
             yield from self._fill_free_slots()
         self.times.total = time.perf_counter() - start
+
+    def _round(self) -> Iterator[Event]:
+        """Steps 1-4 for every live slot (the serving engine calls it between its own admissions)."""
+        live = np.array([r >= 0 for r in self.slot_req])
+        noises = [src if alive else None for src, alive in zip(self.noise, live)]
+        plain = self.ar or not self._room_to_draft(live) or (self.gate is not None
+                                                             and not self.gate.should_draft(live))
+        tokens, drafts, draft_probs, verify_len = self._plan(live, plain)
+        accepted, nxt, taps, new_kv = self._verify_round(tokens, verify_len, draft_probs, noises, plain, live)
+        host_taps = self._host(taps) if self.options.record_taps else None
+        for slot in np.flatnonzero(live):
+            yield self._commit(slot, int(accepted[slot]), drafts, int(nxt[slot]), int(verify_len[slot]),
+                               tokens.shape[1], taps, new_kv, host_taps)
 
     def _plan(self, live: np.ndarray, plain: bool):
         """The round's verifier tokens [B, T] (anchor + drafts), drafts, draft probabilities and drafts to verify."""

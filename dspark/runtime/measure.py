@@ -56,6 +56,12 @@ def run_batch(rt, prompts: list, concurrency: int, policy: VerifyPolicy | str, m
                                                     rt.manifest.calibration.get("sps_table")))
 
 
+def needs_sps_table(policy: VerifyPolicy | str) -> bool:
+    """Whether decoding with `policy` reads the verifier's steps/s table (Algorithm 1, top-K, the draft gate)."""
+    policy = VerifyPolicy.parse(policy) if isinstance(policy, str) else policy
+    return policy.kind in ("schedule", "topk") or policy.gate
+
+
 def flat_time_ratio(padded: list[int], useful: list[int], sps: list[float] | None) -> float | None:
     """Padding vs flattening, measured through the verifier's own cost curve: the summed step time (1 / steps/s
     at n tokens) of the useful positions over that of the padded positions we actually ran."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from dspark.errors import DSparkError
 from dspark.runtime.scheduler import VerifyPolicy
+from dspark.schema import check_number, is_int
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,10 @@ class DecodeOptions:
         "schedule", "topk", optionally "+gate"); "ar" decodes autoregressively with the same verifier graph.
     batch_size: slots decoding at once (default: all requests); further requests queue for a free slot.
     record_taps / record_confidence: keep target features per position / confidence logits per round (training,
-        calibration)."""
+        calibration).
+    threshold_rule: how a static threshold cuts the drafts: "cumulative" (default) verifies the prefix whose
+        calibrated survival (the product of the per-position confidences) reaches it; "first" is DeepSpec's
+        --confidence-threshold: cut at the first position whose own confidence is below it."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -26,20 +32,72 @@ class DecodeOptions:
     batch_size: int | None = None
     record_taps: bool = False
     record_confidence: bool = False
+    threshold_rule: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", VerifyPolicy.parse(self.policy))
         if not isinstance(self.policy, VerifyPolicy):
             raise DSparkError(f"policy must be a VerifyPolicy or its text, not {type(self.policy).__name__}")
-        if self.max_new_tokens < 1:
-            raise DSparkError("max_new_tokens must be at least 1")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise DSparkError("batch_size must be at least 1")
+        check_policy(self.policy)
+        _integer("max_new_tokens", self.max_new_tokens, 1)
+        check_number(self.temperature, "temperature", lo=0.0)
+        _integer("seed", self.seed, 0, (1 << 63) - 1)
+        if self.batch_size is not None:
+            _integer("batch_size", self.batch_size, 1)
+        if self.threshold_rule not in THRESHOLD_RULES:
+            raise DSparkError(f"threshold_rule {self.threshold_rule!r} is not one of {', '.join(THRESHOLD_RULES)}")
+        for name in ("record_taps", "record_confidence"):
+            if not isinstance(getattr(self, name), bool):
+                raise DSparkError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
     @property
     def ar(self) -> bool:
         return self.policy.is_ar
 
+    @property
+    def first_rule(self) -> bool:
+        return self.threshold_rule == "first" and self.policy.kind == "static"
+
+    def heads_feeds(self, feeds: dict) -> dict:
+        """The heads graph's policy inputs; the first-position rule lets every draft through and cuts on the host."""
+        return {**feeds, "threshold": np.zeros_like(feeds["threshold"])} if self.first_rule else feeds
+
+    def cut(self, survival: np.ndarray, verify_len: np.ndarray) -> np.ndarray:
+        """Drafts to verify per request: the graph's choice, or the first position whose confidence (survival
+        over the previous position's survival) is below the threshold."""
+        if not self.first_rule:
+            return verify_len
+        with np.errstate(divide="ignore", invalid="ignore"):
+            previous = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], axis=1)
+            below = ~(survival / previous >= self.policy.threshold)
+        return np.where(below.any(axis=1), below.argmax(axis=1), survival.shape[1]).astype(np.int64)
+
     def replace(self, **changes) -> "DecodeOptions":
         return dataclasses.replace(self, **changes)
+
+
+THRESHOLD_RULES = ("cumulative", "first")
+
+
+def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not is_int(value) and not isinstance(value, np.integer):
+        raise DSparkError(f"{name} must be an integer, not {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise DSparkError(f"{name} must be at least {lo}" + (f" and at most {hi}" if hi is not None else "")
+                          + f", not {value}")
+    return int(value)
+
+
+def check_policy(policy: VerifyPolicy) -> None:
+    """What VerifyPolicy itself lets through: a threshold outside 0..1 or NaN, a fractional gamma, a bad table."""
+    check_number(policy.threshold, f"policy {policy.kind} threshold", lo=0.0)
+    if policy.threshold > 1:
+        raise DSparkError(f"policy {policy.kind} threshold {policy.threshold} is a survival probability: give 0..1")
+    if policy.gamma is not None:
+        _integer(f"policy {policy.kind} gamma", policy.gamma, 0)
+    if policy.sps is not None:
+        sps = np.asarray(policy.sps)
+        if sps.ndim != 1 or not sps.size or not np.issubdtype(sps.dtype, np.number) or not np.all(np.isfinite(sps)) \
+                or np.any(sps <= 0):
+            raise DSparkError("policy sps must be a 1-D table of positive finite steps/s")

@@ -14,10 +14,16 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.check import check_bundle
 from dspark.export.trt_lint import lint_bundle
-from dspark.trt.build import build_engines
+from dspark.trt.build import build_engines, not_buildable
 from dspark.trt.cuda import cudart
 from dspark.trt.gpu_checks import compare_with_onnxruntime
-from dspark.trt.versions import TrtApi, import_tensorrt
+from dspark.trt.versions import (
+    FLAVORS,
+    TrtApi,
+    engines_runnable,
+    import_tensorrt,
+    resolve_flavor,
+)
 
 
 @dataclass
@@ -57,23 +63,33 @@ def _gpu() -> tuple[bool, str]:
         return False, f"CUDA runtime unusable: {type(e).__name__}: {e}"
 
 
-def _tensorrt() -> tuple[bool, str]:
+def gpu_compute_capability() -> str | None:
     try:
-        trt = import_tensorrt()
-        TrtApi.parse(trt.__version__)
-        return True, f"TensorRT {trt.__version__}"
+        _, props = cudart.cudaGetDeviceProperties(0)
+        return f"{props.major}.{props.minor}"
+    except Exception:  # no cuda-python or no driver
+        return None
+
+
+def _tensorrt(flavor: str | None) -> tuple[bool, str]:
+    """Whether the flavor (None: whichever is installed, TensorRT first) imports and is a supported version."""
+    try:
+        chosen = resolve_flavor(flavor)
+        trt = import_tensorrt(chosen.name)
+        TrtApi.parse(trt.__version__, chosen.name)
+        return True, f"{chosen.module} {trt.__version__} (flavor {chosen.name})"
     except DSparkError as e:
         return False, str(e)
     except Exception as e:
         return False, f"TensorRT not usable ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
 
 
-GPU_CHECKS = ("engine build with the plugin layer", "engine outputs vs ONNX Runtime (Polygraphy)",
-              "greedy token equality, tensorrt vs ONNX Runtime",
+GPU_CHECKS = ("engine outputs vs ONNX Runtime (Polygraphy)", "greedy token equality, tensorrt vs ONNX Runtime",
               "greedy token equality, tensorrt+graphs vs ONNX Runtime", "TensorRT decode speed")
 
 
-def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) -> DoctorReport:
+def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
+               flavor: str | None = None) -> DoctorReport:
     report = DoctorReport()
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
@@ -82,21 +98,40 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None) ->
     _onnx_checks(report, bundle, manifest)
     has_gpu, gpu = _gpu()
     report.add("GPU", "ok" if has_gpu else "skipped", gpu)
-    has_trt, trt_info = _tensorrt()
+    flavor = flavor or manifest.tensorrt.get("flavor")
+    has_trt, trt_info = _tensorrt(flavor)
     report.add("TensorRT", "ok" if has_trt else "skipped", trt_info)
+    if reason := not_buildable(manifest):
+        report.add("TensorRT build", "skipped", f"not buildable for TensorRT, because {reason}")
+        return report
+    if build or not manifest.tensorrt:
+        manifest = _build(report, bundle, manifest, plugin, flavor, has_gpu and has_trt, has_trt)
     _engine_files(report, bundle, manifest, plugin)
-    if not (has_gpu and has_trt):
-        missing = [what for ok, what in ((has_gpu, "a CUDA GPU with cuda-python"), (has_trt, "TensorRT 10/11"))
-                   if not ok]
+    runnable = _engines_run_here(report, manifest, gpu if has_gpu else None)
+    if not (has_gpu and has_trt and runnable and manifest.tensorrt):
+        missing = [what for ok, what in ((has_gpu, "a CUDA GPU with cuda-python"), (has_trt, "TensorRT"),
+                                         (runnable, "a GPU the engines were built for"),
+                                         (bool(manifest.tensorrt), "built engines")) if not ok]
         for name in GPU_CHECKS:
             report.add(name, "skipped", f"needs {' and '.join(missing)}")
         return report
-    if build or not manifest.tensorrt:
-        out = build_engines(bundle, plugin=plugin)
-        report.add("engine build with the plugin layer", "ok", f"plugin layers per graph: {out['plugin_layers']}")
     for name, status, detail in compare_with_onnxruntime(bundle):
         report.add(name, status, detail)
     return report
+
+
+def _build(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None, flavor: str | None,
+           gpu_ready: bool, has_trt: bool) -> Manifest:
+    """Build the engines where this machine can: TensorRT needs the GPU they are for, TensorRT for RTX no GPU."""
+    name = "engine build with the plugin layer"
+    if not has_trt or not (gpu_ready or resolve_flavor(flavor).name == "rtx"):
+        report.add(name, "skipped", "needs TensorRT and a GPU, or TensorRT for RTX (pip install tensorrt-rtx-cu13)")
+        return manifest
+    out = build_engines(bundle, plugin=plugin, flavor=flavor, max_context=min(2048, manifest.max_context),
+                        kernels=gpu_ready)
+    report.add(name, "ok", f"{out['flavor']} {out['tensorrt']}, {out['plugin']['implementation']} plugin, plugin "
+               f"layers per graph: {out['plugin_layers']}")
+    return Manifest.read(bundle)
 
 
 def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest) -> None:
@@ -116,17 +151,34 @@ def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest) -> None
 
 
 def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None) -> None:
-    """The plugin library and the engines the manifest records (stale when their ONNX changed since the build)."""
-    plugin_path = Path(plugin or (bundle / "engines" / "libdspark_trt_plugin.so"))
-    report.add("plugin library", "ok" if plugin_path.exists() else "skipped",
-               str(plugin_path) if plugin_path.exists() else "not built: cmake -S dspark/ops/trt_plugin -B "
-               "build/plugin -DTENSORRT_ROOT=... && cmake --build build/plugin")
+    """The plugin and the engines the manifest records (stale when their ONNX changed since the build)."""
     section = manifest.tensorrt
-    if section:
-        stale = [graph for graph, engine in section.get("engines", {}).items()
-                 if engine.get("onnx_sha256") != manifest.graphs[graph].sha256]
-        report.add("engines", "fail" if stale else "ok",
-                   f"built with TensorRT {section.get('tensorrt')} ({section.get('precision')})"
-                   + (f"; stale for {', '.join(stale)} (ONNX changed since the build)" if stale else ""))
-    else:
+    recorded = section.get("plugin", {})
+    if plugin or recorded.get("library"):
+        plugin_path = Path(plugin or bundle / recorded["library"])
+        report.add("plugin library", "ok" if plugin_path.exists() else "fail",
+                   f"C++ {plugin_path}" if plugin_path.exists() else f"{plugin_path} is missing")
+    elif recorded:
+        report.add("plugin library", "ok", f"Python registration ({recorded.get('module', 'dspark.trt.plugin')}), "
+                   f"no library needed")
+    if not section:
         report.add("engines", "skipped", "none built yet (dspark-export build BUNDLE)")
+        return
+    stale = [graph for graph, engine in section.get("engines", {}).items()
+             if engine.get("onnx_sha256") != manifest.graphs[graph].sha256]
+    flavor = FLAVORS.get(section.get("flavor", "tensorrt"), FLAVORS["tensorrt"])
+    targets = f", targets {', '.join(section['targets'])}" if section.get("targets") else ""
+    report.add("engines", "fail" if stale else "ok",
+               f"flavor {flavor.name}: built with {flavor.module} {section.get('tensorrt')} "
+               f"({section.get('precision')}{targets}); they run on {flavor.runs_on}"
+               + (f"; stale for {', '.join(stale)} (ONNX changed since the build)" if stale else ""))
+
+
+def _engines_run_here(report: DoctorReport, manifest: Manifest, gpu: str | None) -> bool:
+    """Whether this machine's GPU is one the recorded engines run on (True when none are recorded yet)."""
+    section = manifest.tensorrt
+    if not section.get("engines"):
+        return True
+    verdict = engines_runnable(section, gpu_compute_capability() if gpu else None)
+    report.add("engines run on this machine", "ok" if verdict.ok else "skipped", verdict.reason)
+    return verdict.ok

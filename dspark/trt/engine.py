@@ -18,6 +18,7 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.trt.memory import Device, DeviceTensor, HostArray, Staging
+from dspark.trt.plugin import load_recorded_plugin
 from dspark.trt.versions import import_tensorrt
 
 HOST_VISIBLE = {  # graph -> (tensors the host writes, tensors the host reads) every step
@@ -173,8 +174,8 @@ class EngineRunner:
 class TrtEngine:
     """A deserialized TensorRT engine behind the small interface EngineRunner uses."""
 
-    def __init__(self, path: Path, runtime):
-        self.trt = import_tensorrt()
+    def __init__(self, path: Path, runtime, trt):
+        self.trt = trt
         self.engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
         if self.engine is None:
             raise DSparkError(f"cannot load {path} with TensorRT {self.trt.__version__} (built by another version?)")
@@ -192,8 +193,8 @@ class TrtEngine:
 
 def load_trt_engines(folder: Path, manifest: Manifest) -> dict[str, TrtEngine]:
     """The plugin library and the bundle's engines (`dspark-export build`), loaded with the installed TensorRT."""
-    trt = import_tensorrt()
     section = manifest.tensorrt
-    trt.get_plugin_registry().load_library(str(Path(folder) / section["plugin"]["library"]))
+    trt = import_tensorrt(section.get("flavor", "tensorrt"))
+    load_recorded_plugin(trt, Path(folder), section.get("plugin", {}))
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    return {name: TrtEngine(Path(folder) / spec["file"], runtime) for name, spec in section["engines"].items()}
+    return {name: TrtEngine(Path(folder) / spec["file"], runtime, trt) for name, spec in section["engines"].items()}

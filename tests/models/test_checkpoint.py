@@ -43,8 +43,8 @@ def test_round_trip_with_deepspec_names(tmp_path, markov):
     loaded = load_draft(out)  # standalone: embed/lm_head from the checkpoint
     for k, v in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v)
-    # Our default save leaves out the shared matrices; loading then takes them from the target.
-    slim = save_draft(drafter, tmp_path / "slim", dtype=torch.float32)
+    # A slim save leaves out the shared matrices; loading then takes them from the target.
+    slim = save_draft(drafter, tmp_path / "slim", include_shared=False, dtype=torch.float32)
     assert set(load_file(slim / "model.safetensors")) == deepspec_keys(2, markov, False)
     shared = load_draft(slim, target.cfg, target.embed_tokens, target.lm_head)
     assert shared.lm_head is target.lm_head
@@ -54,7 +54,7 @@ def test_round_trip_with_deepspec_names(tmp_path, markov):
 @pytest.fixture()
 def saved(tmp_path):
     _, target, drafter = tiny_pair("llama", vocab=32, layers=6, tap_ids=(1, 2, 3))
-    return target, save_draft(drafter, tmp_path / "draft", dtype=torch.float32)
+    return target, save_draft(drafter, tmp_path / "draft", include_shared=False, dtype=torch.float32)
 
 
 def _edit_config(folder, **changes):

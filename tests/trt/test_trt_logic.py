@@ -67,7 +67,8 @@ def test_manifest_keeps_the_tensorrt_section_it_is_given(tiny_bundle_v6, tmp_pat
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle_v6[3], bundle)
     man = Manifest.read(bundle)
-    section = {"tensorrt": "10.16.0", "engines": {"verifier": {"file": "engines/verifier.plan"}},
+    section = {"tensorrt": "10.16.0", "max_batch": 2, "max_context": 64,  # as every build writes them
+               "engines": {"verifier": {"file": "engines/verifier.plan"}},
                "plugin": {"library": "engines/libdspark_trt_plugin.so", "name": "ConfidenceTruncate"}}
     man.tensorrt = section
     man.write(bundle)

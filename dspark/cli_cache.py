@@ -1,0 +1,41 @@
+"""`dspark cache list|clear`: what dspark keeps in its cache folder (added to `dspark` by dspark/cli.py)."""
+from __future__ import annotations
+
+import click
+
+from dspark.resolve import CACHE_KINDS, cache_dir, cache_entries, clear_cache
+
+
+@click.group("cache")
+def cache_group():
+    """What dspark keeps in its cache ($DSPARK_CACHE, default ~/.cache/dspark): dequantized GGUF targets (keyed by
+    the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels."""
+
+
+CACHE_KIND_OPTION = click.option("--kind", "kinds", multiple=True, type=click.Choice(CACHE_KINDS),
+                                 help="Only entries of this kind (repeatable; default: all).")
+
+
+@cache_group.command("list")
+@CACHE_KIND_OPTION
+def cache_list_cmd(kinds):
+    """Every cache entry with its size on disk."""
+    entries = cache_entries(tuple(kinds) or CACHE_KINDS)
+    for e in entries:
+        click.echo(f"{e.bytes / 1e6:10.1f} MB  {e.kind:<8} {e.path}")
+    click.echo(f"{sum(e.bytes for e in entries) / 1e6:10.1f} MB  in {len(entries)} entries under {cache_dir()}")
+
+
+@cache_group.command("clear")
+@CACHE_KIND_OPTION
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def cache_clear_cmd(kinds, yes):
+    """Remove cache entries (they are made again when needed: a target in about a minute, the demo bundle in a
+    few minutes)."""
+    kinds = tuple(kinds) or CACHE_KINDS
+    total = sum(e.bytes for e in cache_entries(kinds))
+    if not yes:
+        click.confirm(f"remove {', '.join(kinds)} from the cache ({total / 1e6:.1f} MB)?", abort=True)
+    removed = clear_cache(kinds)
+    click.echo(f"removed {len(removed)} entries, {sum(e.bytes for e in removed) / 1e6:.1f} MB")
+

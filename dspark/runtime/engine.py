@@ -1,0 +1,285 @@
+"""The always-on engine: one decode loop thread owns the batch slots and admits requests at every round boundary.
+
+    engine = Engine(Runtime("bundle/"), EngineOptions(batch_size=4, policy="all", max_queue=64))
+    engine.start()
+    request = engine.submit(engine.runtime.encode("Hello"), RequestOptions(max_tokens=32, seed=1))
+    for delta in request:
+        print(delta.text, end="")
+    engine.close(grace=10)
+
+Submitting is thread-safe and never waits for the loop: a request joins a bounded queue (refused with QueueFull
+when it is full, EngineClosed once closing, and with one line when prompt + max_tokens cannot fit a slot's
+context), and the loop moves queued requests into free slots between rounds. A cancelled request leaves its
+slot at the next round boundary. A request's tokens do not depend on what else is in flight: its noise is keyed
+by its own seed (dspark.noise), greedy decoding equals `dspark run`'s.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dspark.errors import DSparkError
+from dspark.runtime.api import Runtime
+from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
+from dspark.runtime.engine_slots import EngineSlots
+from dspark.runtime.options import DecodeOptions
+from dspark.runtime.scheduler import VerifyPolicy
+
+
+class QueueFull(DSparkError):
+    """The engine's queue is full: retry later."""
+
+
+class EngineClosed(DSparkError):
+    """The engine is shutting down or stopped (or failed): it admits nothing more."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """batch_size: slots decoding at once. policy: the engine's VerifyPolicy (text or object). max_queue: requests
+    waiting for a slot at most. max_context: positions a slot's caches hold (default: the bundle's max context;
+    every slot allocates it up front)."""
+
+    batch_size: int = 4
+    policy: VerifyPolicy | str = "all"
+    max_queue: int = 64
+    max_context: int | None = None
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.max_queue < 0:
+            raise DSparkError("batch_size must be at least 1 and max_queue at least 0")
+
+
+class Engine:
+    def __init__(self, runtime: Runtime, options: EngineOptions = EngineOptions(),
+                 observer: EngineObserver | None = None):
+        self.runtime, self.options = runtime, options
+        self.observer = observer or EngineObserver()
+        self.decode_options = DecodeOptions(policy=options.policy, batch_size=options.batch_size)
+        manifest, backend = runtime.manifest, runtime.backend
+        limits = [manifest.max_context, backend.fixed_capacity, options.max_context]
+        self.capacity = min(x for x in limits if x)
+        self.batch = min(options.batch_size, backend.max_batch or options.batch_size)
+        self.slots = self._new_slots()
+        self._pending: deque[Request] = deque()
+        self._requests: dict[int, Request] = {}  # in the slots
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def _new_slots(self) -> EngineSlots:
+        return EngineSlots(self.runtime.backend, self.runtime.manifest, self.decode_options, self.batch,
+                           self.capacity)
+
+    @property
+    def policy(self) -> VerifyPolicy:
+        return self.decode_options.policy
+
+    # -- the caller's side (any thread) -----------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may ask for."""
+        return self.capacity - prompt_len - self.runtime.manifest.block_size - 1
+
+    def check(self, prompt_ids: list[int], options: RequestOptions) -> bool:
+        """Refuse what can never run (one line); returns whether the request decodes autoregressively."""
+        if not prompt_ids:
+            raise DSparkError("empty prompt: give at least one token")
+        room = self.max_tokens_for(len(prompt_ids))
+        if options.max_tokens > room:
+            raise DSparkError(f"prompt of {len(prompt_ids)} tokens + max_tokens {options.max_tokens} does not fit "
+                              f"the context of {self.capacity} positions (at most {max(room, 0)} new tokens)")
+        if options.policy is None:
+            return self.policy.is_ar
+        asked = VerifyPolicy.parse(options.policy)
+        if asked.is_ar or asked == self.policy:
+            return asked.is_ar
+        raise DSparkError(f"this engine decodes with policy {str(self.policy)!r}; a request may ask for it or 'ar'")
+
+    def submit(self, prompt_ids: list[int], options: RequestOptions = RequestOptions(),
+               sink: Callable[[Delta], None] | None = None) -> Request:
+        ar = self.check(prompt_ids, options)
+        with self._cond:
+            if self._closing:
+                self.observer.refused("closed")
+                raise EngineClosed("the engine is shutting down")
+            if len(self._pending) + len(self._requests) >= self.batch + self.options.max_queue:
+                self.observer.refused("queue_full")
+                raise QueueFull(f"the queue is full ({self.options.max_queue} requests waiting); retry later")
+            request = Request(next(self._ids), list(prompt_ids), options, ar, sink)
+            self._pending.append(request)
+            self.observer.queue_depth(len(self._pending))
+            self._cond.notify_all()
+        return request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def busy_slots(self) -> int:
+        return int(self.slots.live().sum())
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._pending and not self._requests
+
+    def warm_up(self, prompt_ids: list[int], max_tokens: int = 4) -> None:
+        """One short request through every graph, so the first real request does not pay first-call costs."""
+        self.submit(prompt_ids, RequestOptions(max_tokens=max_tokens)).wait()
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop admitting, let queued and running requests finish for up to `grace` seconds, then cancel the rest
+        (each gets a final delta: nothing accepted is dropped silently) and stop the loop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            deadline = time.monotonic() + grace
+            while (self._pending or self._requests) and self._thread and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            for request in [*self._pending, *self._requests.values()]:
+                request.cancel()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the loop (its own thread) ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._requests and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._pending and not self._requests:
+                    self._cond.notify_all()
+                    return
+                taken, dropped = self._take_pending()
+            for request in dropped:
+                self._finish(request, "cancelled")
+            try:
+                self._step(taken)
+            except Exception as e:  # a failed graph call: fail every request in flight, keep serving
+                self._fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def _take_pending(self) -> tuple[list[Request], list[Request]]:
+        """Under the lock: queued requests that fit the free slots, and queued requests already cancelled."""
+        dropped = [r for r in self._pending if r.cancelled.is_set()]
+        for request in dropped:
+            self._pending.remove(request)
+        taken = []
+        leaving = sum(1 for r in self._requests.values() if r.cancelled.is_set() and not r.done)
+        free = self.slots.free_slots() + leaving  # cancelled requests leave their slots at this boundary
+        while self._pending and len(taken) < max(free, 0):
+            taken.append(self._pending.popleft())
+        for request in taken:
+            self._requests[request.id] = request
+        self.observer.queue_depth(len(self._pending))
+        return taken, dropped
+
+    def _step(self, taken: list[Request]) -> None:
+        """One round boundary (cancellations, admissions, freed slots), then one round if any slot is live."""
+        for request in list(self._requests.values()):
+            if request.cancelled.is_set() and not request.done and request.id in self.slots.results:
+                self.slots.results[request.id].done = True
+                self._finish(request, "cancelled")
+        for request in taken:
+            request.stop_text = StopText(self.runtime.tokenizer, request.options.stop)
+            self.slots.add(request)
+        self._deliver(self.slots._fill_free_slots())
+        self._forget_finished()
+        live = self.slots.live()
+        self.observer.occupancy(int(live.sum()), int(self.slots.kv.lengths[live].sum()))
+        if live.any():
+            drafted = self.slots.times.drafted
+            self._deliver(self.slots._round())
+            self._observe_round(live, self.slots.times.drafted > drafted)
+            self.slots.trim_logs()
+
+    def _deliver(self, events) -> None:
+        for event in events:
+            request = self._requests[event.request]
+            if request.done:  # cancelled this round: its last tokens are not sent
+                continue
+            result = self.slots.results[event.request]
+            now = time.perf_counter()
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.observer.first_token(now - request.submitted)
+            elif event.token_ids:
+                self.observer.tokens(len(event.token_ids), (now - request.last_token_at) / len(event.token_ids))
+            request.last_token_at = now
+            request.token_ids += event.token_ids
+            if result.committed and len(request.committed) < len(result.committed):
+                request.committed.append(result.committed[-1])
+            piece, stopped = request.stop_text.add(event.token_ids)
+            if stopped or event.done:
+                result.done = True  # a stop string frees the slot at the next boundary
+                request.text += piece
+                self._finish(request, "stop" if stopped or result.stopped else "length", piece, event.token_ids)
+            elif piece:
+                request.text += piece
+                self._send(request, Delta(piece, event.token_ids))
+
+    def _finish(self, request: Request, reason: str, piece: str = "", token_ids: list[int] | None = None,
+                error: str | None = None) -> None:
+        if request.done:
+            return
+        if request.stop_text is not None and reason != "stop":
+            tail = request.stop_text.flush()
+            piece, request.text = piece + tail, request.text + tail
+        request.finish_reason, request.error = reason, error
+        request.finished_at = time.perf_counter()
+        self._send(request, Delta(piece, token_ids or [], reason, error))
+        self.observer.finished(request)
+
+    @staticmethod
+    def _send(request: Request, delta: Delta) -> None:
+        try:
+            request.sink(delta)
+        except Exception:  # a listener that is gone (a closed event loop): nobody waits for this request
+            request.cancel()
+
+    def _forget_finished(self) -> None:
+        with self._cond:
+            for request_id in [i for i, r in self._requests.items() if r.done and i not in self.slots.slot_req]:
+                del self._requests[request_id]
+                self.slots.forget(request_id)
+            self._cond.notify_all()
+
+    def _observe_round(self, live: np.ndarray, drafted: bool) -> None:
+        slots = self.slots
+        stats = RoundStats(busy_slots=int(live.sum()), queue_depth=len(self._pending),
+                           kv_used=int(slots.kv.lengths[live].sum()), kv_capacity=slots.batch * self.capacity,
+                           drafted=drafted,
+                           gate_skipped=not drafted and slots.gate is not None and bool((live & ~slots.ar_slots).any()))
+        if drafted:
+            for slot in np.flatnonzero(live & ~slots.ar_slots):
+                result = slots.results.get(slots.slot_req[slot])
+                if result is not None and result.proposed:
+                    stats.verified.append(result.proposed[-1])
+                    stats.accepted.append(result.accepted[-1])
+        self.observer.round(stats)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            failed = [*self._requests.values()]
+            self._requests.clear()
+            self.slots = self._new_slots()  # the slots' state may be half-written: start from empty caches
+        for request in failed:
+            self._finish(request, "error", error=message)

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics. Requests go to the always-on engine (dspark.runtime.engine); its deltas come back on the event loop
+through call_soon_threadsafe. No endpoint reads or writes a file a request names."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from dspark.errors import DSparkError
+from dspark.runtime.engine import EngineClosed, QueueFull
+from dspark.runtime.engine_request import Delta, Request, RequestOptions
+from dspark.serve.limits import BodyLimit
+from dspark.serve.responses import DONE, ApiError, Shape, sse
+from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
+from dspark.serve.state import ServerState
+
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    _error_handlers(app, state)
+
+    @app.get("/health")
+    def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.ready.is_set():
+            return JSONResponse({"status": state.load_error or "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dspark"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        _engine(state, body)
+        if isinstance(body.prompt, str):
+            if not body.prompt.strip():
+                raise ApiError(400, "empty prompt: give some text", param="prompt")
+            prompt_ids = state.runtime.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = _checked_ids(state, body.prompt)
+        return await _generate(state, http, body, prompt_ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: HttpRequest):
+        _engine(state, body)
+        prompt_ids = state.chat.encode([{"role": m.role, "content": m.text} for m in body.messages])
+        return await _generate(state, http, body, prompt_ids, body.max_completion_tokens or body.max_tokens,
+                               chat=True)
+
+    return app
+
+
+def _error_handlers(app: FastAPI, state: ServerState) -> None:
+    def invalid(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+        state.metrics.requests.labels("invalid").inc()
+        return ApiError(status, message, param=param).response()
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, error: ApiError):
+        if error.status < 500 and error.status != 429:
+            state.metrics.requests.labels("invalid").inc()
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return invalid("the body is not valid JSON")
+        if first.get("type") == "extra_forbidden":
+            return invalid(f"Unrecognized request argument supplied: {loc[-1]}", param=loc[-1])
+        return invalid(f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", param=".".join(loc) or None)
+
+    @app.exception_handler(DSparkError)
+    async def dspark_error(_, error: DSparkError):
+        return invalid(str(error))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, error: HTTPException):
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return ApiError(error.status_code, str(error.detail), kind).response()
+
+
+def _engine(state: ServerState, body: SamplingFields):
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
+    if not state.ready.is_set():
+        raise ApiError(503, "the model is still loading", "server_error", code="loading")
+    if body.model != state.config.model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist (this server serves "
+                            f"`{state.config.model_name}`)", param="model", code="model_not_found")
+    return state.engine
+
+
+def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.runtime.manifest.target["vocab_size"]
+    if not ids or any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt token ids must be a non-empty list of ids in 0..{vocab - 1}", param="prompt")
+    return ids
+
+
+def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None):
+    room = state.engine.max_tokens_for(len(prompt_ids))
+    if room < 1:
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
+                            f"{state.engine.capacity} positions", param="messages", code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError(400, f"max_tokens {max_tokens} is too large: the prompt has {len(prompt_ids)} tokens and "
+                            f"the context {state.engine.capacity} positions (at most {room})",
+                       param="max_tokens", code="context_length_exceeded")
+    seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 63)
+    return RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
+                          stop=body.stop_strings, policy=None if body.policy == "default" else body.policy)
+
+
+async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields, prompt_ids: list[int],
+                    max_tokens: int | None, chat: bool):
+    options = _options(state, body, prompt_ids, max_tokens)
+    loop = asyncio.get_running_loop()
+    deltas: asyncio.Queue[Delta] = asyncio.Queue()
+    try:
+        request = state.engine.submit(prompt_ids, options,
+                                      sink=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta))
+    except QueueFull as e:
+        raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
+    except EngineClosed as e:
+        raise ApiError(503, str(e), "server_error", code="shutting_down") from None
+    shape = Shape.new(chat, state.config.model_name, request)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_events(request, deltas, shape, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _whole(http, request, deltas, shape)
+
+
+async def _whole(http: HttpRequest, request: Request, deltas: asyncio.Queue, shape: Shape):
+    try:
+        while not request.done:
+            try:
+                await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    request.cancel()
+                    return Response(status_code=499)
+    finally:
+        request.cancel()  # a no-op once finished; frees the slot when the handler is torn down
+    if request.finish_reason == "cancelled":
+        raise ApiError(503, "the request was cancelled: the server is shutting down", "server_error",
+                       code="shutting_down")
+    if request.finish_reason == "error":
+        raise ApiError(500, f"decoding failed: {request.error}", "server_error")
+    return shape.full(request)
+
+
+async def _events(request: Request, deltas: asyncio.Queue, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; a client that goes away cancels the generator, which cancels the request."""
+    try:
+        if shape.chat:
+            yield shape.chunk("", first=True)
+        while True:
+            delta = await deltas.get()
+            if delta.finish_reason in ("cancelled", "error"):
+                error = ApiError(503 if delta.finish_reason == "cancelled" else 500,
+                                 delta.error or "the request was cancelled: the server is shutting down",
+                                 "server_error")
+                yield sse(error.body())
+                break
+            if delta.text or delta.finish_reason:
+                yield shape.chunk(delta.text, delta.finish_reason)
+            if delta.finish_reason:
+                if include_usage:
+                    yield shape.usage_chunk(request)
+                break
+        yield DONE
+    finally:
+        request.cancel()

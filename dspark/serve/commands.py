@@ -1,0 +1,77 @@
+"""The `dspark serve` and `dspark-export triton` commands (dspark.cli adds them to its groups). Importing this
+module imports click only: the server (FastAPI, uvicorn) and the runtime load inside the commands."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate)."
+
+
+@click.command("serve")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Requests decoding at once (batch slots).")
+@click.option("--policy", default="all", show_default=True, help=POLICY_HELP)
+@click.option("--gate", is_flag=True, help="Add the draft gate to the policy (skip drafting when it cannot pay).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 100000),
+              help="Requests waiting for a slot at most; beyond that the server answers 429.")
+@click.option("--max-context", type=click.IntRange(16, 1 << 20),
+              help="Positions each slot's caches hold (default: the bundle's max context).")
+@click.option("--model-name", help="The model id clients send (default: the bundle folder's name).")
+@click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled.")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Open connections at most; beyond them the server answers 503.")
+@click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(["onnxruntime", "tensorrt"]))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_context, model_name, grace,
+              max_connections, threads, backend, log_level):
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) with an always-on continuous-batching engine."""
+    from dspark.lazy import optional_import
+    from dspark.runtime import VerifyPolicy
+    from dspark.runtime.engine import EngineOptions
+
+    optional_import("uvicorn", "dspark serve needs the serve extra: pip install -e '.[serve]'")
+    optional_import("fastapi", "dspark serve needs the serve extra: pip install -e '.[serve]'")
+    from dspark.serve.server import ServeConfig, serve
+
+    parsed = VerifyPolicy.parse(policy)
+    if gate:
+        parsed = VerifyPolicy.parse(f"{policy}+gate")
+    config = ServeConfig(bundle=bundle, model_name=model_name or Path(bundle).resolve().name,
+                         engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
+                                              max_context=max_context),
+                         backend=backend, threads=threads, grace=grace, max_connections=max_connections)
+    serve(config, host, port, log_level)
+
+
+@click.command("triton")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Model repository to write.")
+@click.option("--model-name", default="dspark", show_default=True, help="The model's name in the repository.")
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Model instances (each loads the bundle and runs its own engine).")
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Batch slots of each instance's engine.")
+@click.option("--policy", default="all", show_default=True, help=POLICY_HELP)
+@click.option("--copy-bundle", is_flag=True, help="Copy the bundle into the repository (default: reference it).")
+@click.option("--python-env", type=click.Path(path_type=Path),
+              help="EXECUTION_ENV_PATH: the environment (a venv folder) with dspark installed, for the Python "
+                   "backend stub (default: this interpreter's environment).")
+@click.option("--force", is_flag=True, help="Replace an existing model folder.")
+def triton_cmd(bundle, output, model_name, instances, batch_size, policy, copy_bundle, python_env, force):
+    """Write a Triton Inference Server model repository (Python backend, decoupled: tokens stream) serving
+    BUNDLE with the dspark runtime."""
+    from dspark.serve.triton import TritonModel, write_repository
+
+    model = TritonModel(bundle=bundle, name=model_name, instances=instances, batch_size=batch_size,
+                        policy=policy, copy_bundle=copy_bundle, python_env=python_env)
+    folder = write_repository(model, output, force=force)
+    click.echo(f"wrote {folder}")

@@ -1,0 +1,88 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic), strict about types.
+
+Unknown fields are refused with 400 (as the OpenAI API does: "Unrecognized request argument"). OpenAI fields this
+server does not implement are accepted only at their neutral values (n=1, top_p=1, no penalties, no logprobs,
+no echo), so a client never gets silently different sampling than it asked for.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from dspark.runtime.engine_request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+MAX_PROMPT_CHARS = 200_000
+MAX_PROMPT_IDS = 65_536
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Stop = Union[None, Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)],
+             Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                       Field(max_length=MAX_STOP_STRINGS)]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
+    seed: Annotated[StrictInt, Field(ge=0, lt=2 ** 63)] | None = None
+    stop: Stop = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    policy: Literal["ar", "default"] = "default"  # dspark: decode this request autoregressively
+    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    n: Literal[1] = 1
+    top_p: Literal[1, 1.0] = 1.0
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    logprobs: None | Literal[False] = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[
+        list[StrictInt], Field(max_length=MAX_PROMPT_IDS)]
+    echo: Literal[False] = False
+    best_of: Literal[1] = 1
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # the OpenAI default for completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+    name: StrictStr | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(SamplingFields):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=256)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_user(cls, messages: list[Message]) -> list[Message]:
+        if messages[-1].role == "assistant":
+            raise ValueError("the last message must not be the assistant's (continuing it is not supported)")
+        return messages

@@ -1,0 +1,62 @@
+"""`dspark serve`: uvicorn running the app, the bundle loaded in the background (/health says when it is ready),
+and a graceful SIGTERM/SIGINT: stop admitting, let in-flight requests finish for the grace period, cancel what
+is left (each such client gets an error), then exit 0."""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import asynccontextmanager
+
+import uvicorn
+
+from dspark.errors import DSparkError
+from dspark.serve.app import create_app
+from dspark.serve.state import ServeConfig, ServerState
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drainer is None:  # first signal: drain in the background, then let uvicorn shut down
+            self._drainer = threading.Thread(target=self._drain_then_exit, daemon=True)
+            self._drainer.start()
+        else:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+
+    def _drain_then_exit(self) -> None:
+        self.state.drain()
+        self.should_exit = True
+
+
+def serve(config: ServeConfig, host: str, port: int, log_level: str = "info") -> None:
+    state = ServerState(config)
+    server: DrainingServer | None = None
+
+    def load() -> None:
+        try:
+            state.load()
+            print(f"dspark serve: {config.model_name} ready on http://{host}:{port}", file=sys.stderr, flush=True)
+        except DSparkError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            server.should_exit = True
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        threading.Thread(target=load, name="dspark-load", daemon=True).start()
+        yield
+        state.close()
+
+    app = create_app(state)
+    app.router.lifespan_context = lifespan
+    # uvicorn answers 503 beyond max_connections open connections; within them the engine's queue answers 429
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                               limit_concurrency=config.max_connections,
+                               timeout_graceful_shutdown=int(config.grace) + 5, timeout_keep_alive=5)
+    server = DrainingServer(uv_config, state)
+    server.run()
+    if state.load_error is not None:
+        raise DSparkError(state.load_error)

@@ -1,0 +1,67 @@
+"""What one `dspark serve` process holds: the loaded bundle, the engine, the metrics, and whether it is ready."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.runtime.api import Runtime
+from dspark.runtime.engine import Engine, EngineOptions
+from dspark.serve.chat import ChatRenderer
+from dspark.serve.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    bundle: Path
+    model_name: str
+    engine: EngineOptions = EngineOptions()
+    backend: str = "onnxruntime"
+    threads: int | None = None
+    grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    max_body_bytes: int = 1 << 20
+    max_connections: int = 1024  # open connections at most (uvicorn answers 503 beyond)
+
+
+@dataclass
+class ServerState:
+    config: ServeConfig
+    runtime: Runtime | None = None
+    engine: Engine | None = None
+    chat: ChatRenderer | None = None
+    load_error: str | None = None
+    draining: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self):
+        self.metrics = Metrics(Manifest.read(self.config.bundle).block_size)  # refuses a bad bundle at once
+        self.metrics.slots.set(self.config.engine.batch_size)
+
+    def load(self) -> None:
+        """Load the bundle, start the engine and warm it up (the server answers /health 503 until then)."""
+        try:
+            self.runtime = Runtime(self.config.bundle, backend=self.config.backend, threads=self.config.threads)
+            self.chat = ChatRenderer(self.runtime.tokenizer)
+            self.engine = Engine(self.runtime, self.config.engine, observer=self.metrics).start()
+            self.engine.warm_up(self.chat.encode([{"role": "user", "content": "Hello"}]))
+            self.metrics.ready.set(1)
+            self.ready.set()
+        except DSparkError as e:
+            self.load_error = str(e)
+            raise
+
+    def drain(self) -> None:
+        """SIGTERM: refuse new requests, give in-flight ones `grace` seconds, cancel the rest."""
+        self.draining = True
+        self.metrics.ready.set(0)
+        if self.engine is not None:
+            self.engine.close(self.config.grace)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close(0)
+        if self.runtime is not None:
+            self.runtime.close()

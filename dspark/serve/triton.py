@@ -1,0 +1,79 @@
+"""`dspark-export triton`: a Triton Inference Server model repository serving a bundle with the dspark runtime.
+
+    REPO/NAME/config.pbtxt      Python backend, decoupled (tokens stream), instance group, parameters
+    REPO/NAME/1/model.py        dspark.serve.triton_model
+    REPO/NAME/1/bundle/         the bundle, with --copy-bundle (else config.pbtxt names its absolute path)
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.bundle import Manifest
+from dspark.errors import DSparkError
+from dspark.files import atomic_folder
+from dspark.runtime.scheduler import VerifyPolicy
+
+TEMPLATE = Path(__file__).with_name("triton_model.py")
+
+INPUTS = [("text_input", "TYPE_STRING", "[ 1 ]"), ("prompt_ids", "TYPE_INT64", "[ -1 ]"),
+          ("max_tokens", "TYPE_INT32", "[ 1 ]"), ("temperature", "TYPE_FP32", "[ 1 ]"),
+          ("seed", "TYPE_INT64", "[ 1 ]")]
+OUTPUTS = [("text_output", "TYPE_STRING", "[ 1 ]"), ("token_ids", "TYPE_INT64", "[ -1 ]"),
+           ("finish_reason", "TYPE_STRING", "[ 1 ]")]
+
+
+@dataclass(frozen=True)
+class TritonModel:
+    bundle: Path
+    name: str = "dspark"
+    instances: int = 1
+    batch_size: int = 4
+    policy: str = "all"
+    copy_bundle: bool = False
+    python_env: Path | None = None  # EXECUTION_ENV_PATH; None: this interpreter's environment
+    threads: int | None = None
+
+    def parameters(self) -> dict[str, str]:
+        params = {"bundle": "bundle" if self.copy_bundle else str(Path(self.bundle).resolve()),
+                  "batch_size": str(self.batch_size), "policy": str(VerifyPolicy.parse(self.policy)),
+                  "EXECUTION_ENV_PATH": str(Path(self.python_env or sys.prefix).resolve())}
+        if self.threads:
+            params["threads"] = str(self.threads)
+        return params
+
+
+def config_pbtxt(model: TritonModel) -> str:
+    def tensor(name, kind, dims, optional):
+        extra = " optional: true" if optional else ""
+        return f"  {{ name: \"{name}\" data_type: {kind} dims: {dims}{extra} }}"
+
+    inputs = ",\n".join(tensor(n, k, d, True) for n, k, d in INPUTS)
+    outputs = ",\n".join(tensor(n, k, d, False) for n, k, d in OUTPUTS)
+    params = "\n".join(f"parameters: {{ key: \"{k}\" value: {{ string_value: \"{v}\" }} }}"
+                       for k, v in model.parameters().items())
+    return (f"name: \"{model.name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
+            f"model_transaction_policy {{ decoupled: true }}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [ {{ count: {model.instances} kind: KIND_CPU }} ]\n{params}\n")
+
+
+def write_repository(model: TritonModel, repository: Path, force: bool = False) -> Path:
+    """Write REPO/NAME (replacing it with force); other models in the repository are left alone."""
+    Manifest.read(Path(model.bundle))  # a bundle, or one line saying why not
+    if not model.name.replace("-", "").replace("_", "").isalnum():
+        raise DSparkError(f"model name {model.name!r}: use letters, digits, '-' and '_'")
+    folder = Path(repository) / model.name
+    if folder.exists() and not force:
+        raise DSparkError(f"{folder} exists; pass --force to replace it")
+    Path(repository).mkdir(parents=True, exist_ok=True)
+    with atomic_folder(folder) as tmp:
+        version = tmp / "1"
+        version.mkdir()
+        shutil.copyfile(TEMPLATE, version / "model.py")
+        if model.copy_bundle:
+            shutil.copytree(model.bundle, version / "bundle")
+        (tmp / "config.pbtxt").write_text(config_pbtxt(model))
+    return folder

@@ -1,0 +1,86 @@
+"""The Triton Inference Server model of `dspark-export triton` (copied into the repository as 1/model.py).
+
+Python backend, decoupled transaction policy: each request gets one response per committed text piece and a
+final empty response flagged COMPLETE_FINAL. Every model instance loads the bundle and runs its own always-on
+engine (dspark.runtime.engine); requests from Triton join its queue, so requests of one instance share its
+batch slots. Runs inside Triton's Python backend stub (EXECUTION_ENV_PATH: an environment with dspark).
+
+Inputs: text_input (a prompt, through the chat template) or prompt_ids (token ids, as they are); optional
+max_tokens, temperature, seed. Outputs: text_output (a piece), token_ids (the piece's ids), finish_reason.
+"""
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dspark.runtime.api import Runtime
+from dspark.runtime.engine import Engine, EngineOptions
+from dspark.runtime.engine_request import Delta, RequestOptions
+
+
+def _scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+
+
+def _response(text: str, token_ids: list, finish_reason: str):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("token_ids", np.array(token_ids, dtype=np.int64)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        bundle = Path(params["bundle"])
+        if not bundle.is_absolute():
+            bundle = Path(args["model_repository"]) / args["model_version"] / bundle
+        self.runtime = Runtime(bundle, threads=int(params["threads"]) if params.get("threads") else None)
+        options = EngineOptions(batch_size=int(params.get("batch_size", 4)), policy=params.get("policy", "all"),
+                                max_queue=int(params.get("max_queue", 64)))
+        self.engine = Engine(self.runtime, options).start()
+        self.lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                ids = self._prompt_ids(request)
+                options = RequestOptions(max_tokens=int(_scalar(request, "max_tokens", 64)),
+                                         temperature=float(_scalar(request, "temperature", 0.0)),
+                                         seed=int(_scalar(request, "seed", 0)))
+                self.engine.submit(ids, options, sink=self._sink(sender))
+            except Exception as e:  # bad input: one error response, then the stream ends
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _prompt_ids(self, request) -> list:
+        ids = pb_utils.get_input_tensor_by_name(request, "prompt_ids")
+        if ids is not None:
+            return self.runtime.encode([int(x) for x in ids.as_numpy().reshape(-1)])
+        text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+        return self.runtime.encode(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+
+    def _sink(self, sender):
+        def send(delta: Delta) -> None:
+            with self.lock:
+                if delta.finish_reason in ("cancelled", "error"):
+                    error = pb_utils.TritonError(delta.error or "the request was cancelled")
+                    sender.send(pb_utils.InferenceResponse(error=error),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    return
+                if delta.text or delta.token_ids:
+                    sender.send(_response(delta.text, delta.token_ids, delta.finish_reason or ""))
+                if delta.finish_reason:
+                    sender.send(_response("", [], delta.finish_reason),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return send
+
+    def finalize(self):
+        self.engine.close(grace=5)
+        self.runtime.close()

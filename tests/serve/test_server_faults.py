@@ -1,0 +1,124 @@
+"""Bad input and faults against `dspark serve`: OpenAI-style 4xx bodies, bounded concurrency, disconnects."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from serve_support import wait_until
+
+GOOD = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, "temperature": 0}
+
+
+def post(server, body, path="/v1/completions", **kw):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=60, **kw)
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    return error
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b'{"model": "tiny", "prompt": "\xff\xfe w1"}', None),  # not UTF-8
+    ({**GOOD, "max_tokens": "4"}, "max_tokens"),
+    ({**GOOD, "max_tokens": 4.5}, "max_tokens"),
+    ({**GOOD, "max_tokens": -3}, "max_tokens"),
+    ({**GOOD, "max_tokens": 0}, "max_tokens"),
+    ({**GOOD, "max_tokens": 10 ** 30}, "max_tokens"),
+    ({**GOOD, "temperature": "hot"}, "temperature"),
+    ({**GOOD, "temperature": 1e308 * 10}, "temperature"),  # json.dumps writes Infinity
+    ({**GOOD, "temperature": float("nan")}, "temperature"),
+    ({**GOOD, "temperature": -0.5}, "temperature"),
+    ({**GOOD, "seed": -1}, "seed"),
+    ({**GOOD, "seed": 2 ** 80}, "seed"),
+    ({**GOOD, "stream": "yes"}, "stream"),
+    ({**GOOD, "prompt": 17}, "prompt"),
+    ({**GOOD, "prompt": [1, "w2"]}, "prompt"),
+    ({**GOOD, "prompt": [1, 99]}, "prompt"),  # token id beyond the vocabulary
+    ({**GOOD, "prompt": "   "}, "prompt"),
+    ({**GOOD, "prompt": []}, "prompt"),
+    ({**GOOD, "n": 2}, "n"),
+    ({**GOOD, "stop": ["a"] * 9}, "stop"),
+    ({**GOOD, "frobnicate": True}, "frobnicate"),  # unknown fields are refused, as the OpenAI API does
+    ([GOOD], None),
+    ("null", None),
+])
+def test_bad_bodies_get_400_with_an_openai_error(server, body, param):
+    error = error_of(post(server, body), 400)
+    if param is not None:
+        assert error["param"] is None or error["param"].split(".")[0] == param
+
+
+def test_bad_chat_bodies(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 4}
+    for bad in ({**chat, "messages": []}, {**chat, "messages": [{"role": "robot", "content": "w1"}]},
+                {**chat, "messages": [{"role": "user"}]}, {**chat, "messages": "w1"},
+                {**chat, "messages": [{"role": "user", "content": ""}]}):
+        error_of(post(server, bad, "/v1/chat/completions"), 400)
+
+
+def test_unknown_model_is_404_and_too_long_is_400(server):
+    assert error_of(post(server, {**GOOD, "model": "gpt-4"}), 404)["code"] == "model_not_found"
+    error = error_of(post(server, {**GOOD, "max_tokens": 100000}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    error_of(post(server, {**GOOD, "prompt": " ".join(["w1"] * 300)}), 400)  # prompt beyond the context
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+
+
+def test_oversized_body_is_413(server):
+    huge = json.dumps({**GOOD, "prompt": "w1 " * 600_000})
+    error_of(post(server, huge), 413)
+
+
+def test_a_thousand_concurrent_connections_are_bounded(server):
+    async def one(client):
+        try:
+            response = await client.post("/v1/completions", json={**GOOD, "max_tokens": 3})
+            return response.status_code
+        except httpx.TransportError:
+            return "refused"
+
+    async def burst():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(1000)))
+
+    statuses = asyncio.run(burst())
+    assert set(statuses) <= {200, 429, 503, "refused"}, set(statuses)
+    assert statuses.count(200) >= 1
+    assert statuses.count(429) >= 1  # 2 slots + 4 queued: the rest were refused, not queued without bound
+    assert server.metric('dspark_requests_total{outcome="rejected_queue_full"}') == statuses.count(429)
+    assert server.process.poll() is None
+    assert server.get("/health").status_code == 200
+    assert post(server, GOOD).status_code == 200  # still serving
+    assert wait_until(lambda: server.metric("dspark_busy_slots") == 0 and server.metric("dspark_queue_depth") == 0)
+
+
+def test_client_disconnecting_mid_stream_frees_its_slot(server):
+    cancelled = server.metric('dspark_requests_total{outcome="cancelled"}', missing=0.0)
+    body = {**GOOD, "max_tokens": 240, "stream": True}  # greedy w3 w3 ...: no stop token before 240
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first tokens arrived: go away
+    assert wait_until(lambda: server.metric('dspark_requests_total{outcome="cancelled"}', 0.0) == cancelled + 1)
+    assert wait_until(lambda: server.metric("dspark_busy_slots") == 0)
+
+
+@pytest.mark.parametrize("args, says", [(["--gate"], "SPS table"), (["--policy", "sometimes"], "policy")])
+def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, says):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve",
+                           str(tiny_bundle_v6[3]), "--port", "0", "--log-level", "error", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors and says in errors[-1] and "Traceback" not in done.stderr

@@ -1,0 +1,111 @@
+"""`dspark serve` through the official openai client: tokens equal `dspark run`'s, streaming, usage, metrics."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dspark.runtime import DecodeOptions, Runtime
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["w1 w2 w3", "w4 w1", "w2 w2 w3 w1 w0", "w3"]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_bundle_v6):
+    rt = Runtime(tiny_bundle_v6[3], threads=1)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def dspark_run(bundle, prompt, max_new_tokens, *args):
+    out = subprocess.run([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "run", str(bundle),
+                          "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--threads", "1", "--json",
+                          *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert server.get("/health").json() == {"status": "ok"}
+
+
+def test_chat_greedy_equals_dspark_run(tiny_bundle_v6, client):
+    reference = dspark_run(tiny_bundle_v6[3], PROMPTS[0], 20)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == reference["text"]
+    assert reply.usage.completion_tokens == len(reference["token_ids"])
+    assert reply.choices[0].finish_reason == ("stop" if reference["stopped"] else "length")
+
+
+def test_completions_greedy_equal_the_runtime_on_every_prompt(runtime, client):
+    for prompt in PROMPTS:
+        ids = runtime.tokenizer.encode(prompt)
+        expected = runtime.generate([ids], DecodeOptions(max_new_tokens=16))[0]
+        for as_ids in (False, True):
+            reply = client.completions.create(model="tiny", prompt=ids if as_ids else prompt, max_tokens=16,
+                                              temperature=0)
+            assert reply.choices[0].text == expected.text
+            assert reply.usage.prompt_tokens == len(ids)
+            assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_seeded_sampling_through_the_server_is_reproducible(tiny_bundle_v6, client):
+    reference = dspark_run(tiny_bundle_v6[3], PROMPTS[1], 24, "--temperature", "1", "--seed", "7")
+    texts = {client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                            max_tokens=24, temperature=1, seed=7).choices[0].message.content
+             for _ in range(2)}
+    assert texts == {reference["text"]}
+
+
+def test_streaming_gives_the_same_text_in_pieces_and_usage(runtime, client):
+    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_new_tokens=24, temperature=1.0, seed=3))[0]
+    for chat in (True, False):
+        if chat:
+            stream = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=24, temperature=1,
+                seed=3, stream=True, stream_options={"include_usage": True})
+        else:
+            stream = client.completions.create(model="tiny", prompt=runtime.tokenizer.encode_chat(PROMPTS[2]),
+                                               max_tokens=24, temperature=1, seed=3, stream=True,
+                                               stream_options={"include_usage": True})
+        chunks = list(stream)
+        pieces = [(c.choices[0].delta.content if chat else c.choices[0].text) or "" for c in chunks if c.choices]
+        assert "".join(pieces) == expected.text
+        assert len([p for p in pieces if p]) > 1  # it did stream
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_stop_strings(runtime, client):
+    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_new_tokens=24, temperature=1.0, seed=3))[0].text
+    stop = expected.split()[2]
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}],
+                                           max_tokens=24, temperature=1, seed=3, stop=[stop])
+    assert reply.choices[0].message.content == expected[:expected.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_metrics_count_what_was_served(server, client):
+    before = server.metric("dspark_generation_tokens_total")
+    requests_before = server.metric("dspark_requests_total")
+    reply = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=12, temperature=0)
+    assert server.metric("dspark_generation_tokens_total") - before == reply.usage.completion_tokens
+    assert server.metric("dspark_requests_total") - requests_before == 1
+    text = server.get("/metrics").text
+    for name in ("dspark_queue_depth", "dspark_busy_slots", "dspark_time_to_first_token_seconds_bucket",
+                 "dspark_inter_token_latency_seconds_bucket", "dspark_request_duration_seconds_bucket",
+                 "dspark_request_tau_bucket", "dspark_verify_length_bucket", "dspark_draft_proposed_total",
+                 "dspark_draft_accepted_total", "dspark_rounds_total", "dspark_kv_positions_in_use",
+                 "dspark_kv_positions_capacity", "dspark_prompt_tokens_total", "dspark_ready 1.0"):
+        assert name in text
+    proposed = server.metric('dspark_draft_proposed_total{position="1"}')
+    accepted = server.metric('dspark_draft_accepted_total{position="1"}')
+    assert 0 <= accepted <= proposed and proposed > 0

@@ -1,0 +1,58 @@
+"""SIGTERM under load: every accepted request either finishes or gets an error; the server exits 0."""
+import json
+import threading
+
+import httpx
+import pytest
+
+from serve_support import start_server, wait_until
+
+
+@pytest.fixture(scope="module")
+def draining_server(tiny_bundle_v6, tmp_path_factory):
+    srv = start_server(tiny_bundle_v6[3], tmp_path_factory.mktemp("serve") / "server.log",
+                       "--batch-size", "2", "--max-queue", "8", "--grace", "0", "--model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+def stream_outcome(url: str, body: dict, started: threading.Event, outcomes: list) -> None:
+    """What one streaming client saw: 'finished' ([DONE] after a finish_reason), 'error' (an error event then
+    [DONE], or an error status), or 'dropped' (the stream ended without either)."""
+    finish, error, done = None, False, False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            if response.status_code != 200:
+                outcomes.append("error")
+                return
+            for line in response.iter_lines():
+                started.set()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    error = error or "error" in event
+                    finish = finish or (event.get("choices") or [{}])[0].get("finish_reason")
+    except httpx.TransportError:
+        outcomes.append("dropped")
+        return
+    finally:
+        started.set()
+    outcomes.append("finished" if done and finish else "error" if done and error else "dropped")
+
+
+def test_sigterm_under_load_finishes_or_fails_every_request(draining_server):
+    srv = draining_server
+    outcomes, threads, started = [], [], []
+    for _ in range(6):
+        body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 240, "temperature": 0, "stream": True}
+        started.append(threading.Event())
+        threads.append(threading.Thread(target=stream_outcome, args=(srv.url, body, started[-1], outcomes)))
+        threads[-1].start()
+    assert wait_until(lambda: any(event.is_set() for event in started))  # decoding; most are still queued
+    assert srv.stop() == 0, srv.log.read_text()[-2000:]
+    for thread in threads:
+        thread.join(120)
+    assert len(outcomes) == 6
+    assert "dropped" not in outcomes, outcomes
+    assert "error" in outcomes  # grace 0: in-flight requests were cancelled, and told so

@@ -1,0 +1,139 @@
+"""`dspark-export triton` against a real Triton Inference Server: the tritonserver binary and Python backend of the
+PyPI wheel nvidia-pytriton, on 127.0.0.1, CPU only. The wheel pins numpy < 2, so it lives in its own venv (made
+once, kept in the dspark cache), which is also the model's EXECUTION_ENV_PATH: the backend stub runs model.py
+with that venv's packages (the runtime's dependencies, and this checkout through a .pth file)."""
+import os
+import queue
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from dspark.runtime import DecodeOptions, Runtime
+from serve_support import free_port, wait_until
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import np_to_triton_dtype  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+TRITON_VENV = Path(os.environ.get("DSPARK_TRITON_VENV", Path.home() / ".cache/dspark/triton-venv"))
+TRITON_PACKAGES = ["nvidia-pytriton", "numpy<2", "onnxruntime", "tokenizers", "jinja2", "click"]
+
+
+def triton_venv() -> Path:
+    """The venv with nvidia-pytriton and the runtime's dependencies (installed on first use)."""
+    python = TRITON_VENV / "bin" / "python"
+    marker = TRITON_VENV / ".dspark-ready"
+    if not marker.exists():
+        shutil.rmtree(TRITON_VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(TRITON_VENV)], check=True)
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *TRITON_PACKAGES], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.fail(f"could not install {TRITON_PACKAGES} into {TRITON_VENV}: {done.stderr[-1500:]}")
+        marker.write_text("ok\n")
+    site = next((TRITON_VENV / "lib").glob("python3*/site-packages"))
+    (site / "dspark_checkout.pth").write_text(f"{REPO_ROOT}\n")  # this checkout's dspark, wherever it is
+    return site
+
+
+@pytest.fixture(scope="module")
+def triton(tiny_bundle_v6, tmp_path_factory):
+    site = triton_venv()
+    wheel = site / "pytriton" / "tritonserver"
+    tmp = tmp_path_factory.mktemp("triton")
+    backend = tmp / "backends" / "python"
+    backend.mkdir(parents=True)
+    for f in (wheel / "backends/python/libtriton_python.so", wheel / "backends/python/triton_python_backend_utils.py",
+              wheel / f"python_backend_stubs/{PY}/triton_python_backend_stub"):
+        shutil.copy(f, backend)
+    subprocess.run([sys.executable, "-c", "from dspark.cli import export_cli; export_cli()", "triton",
+                    str(tiny_bundle_v6[3]), "--output", str(tmp / "repo"), "--batch-size", "2",
+                    "--python-env", str(TRITON_VENV)], check=True)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log = tmp / "tritonserver.log"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(site / "nvidia_pytriton.libs")}
+    process = subprocess.Popen([str(wheel / "bin" / "tritonserver"), "--model-repository", str(tmp / "repo"),
+                                "--backend-directory", str(tmp / "backends"), "--http-address", "127.0.0.1",
+                                "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1",
+                                "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+    def ready():
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(f"http://127.0.0.1:{http}/v2/models/dspark/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        assert wait_until(ready, 180, 0.5), log.read_text()[-3000:]
+        yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def tensor(name, array):
+    t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    t.set_data_from_numpy(array)
+    return t
+
+
+def stream(address, inputs):
+    """Responses of one decoupled request: (token ids, text pieces, finish reason) in arrival order."""
+    client = grpcclient.InferenceServerClient(address)
+    responses = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("dspark", inputs, request_id="1")
+        ids, pieces, finish = [], [], ""
+        while not finish:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            ids.append(result.as_numpy("token_ids").tolist())
+            pieces.append(result.as_numpy("text_output")[0].decode())
+            finish = result.as_numpy("finish_reason")[0].decode()
+        return ids, pieces, finish
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_triton_greedy_tokens_equal_dspark_run_and_stream(tiny_bundle_v6, triton):
+    rt = Runtime(tiny_bundle_v6[3], threads=1)
+    for prompt in ([1, 2, 3], [4, 1, 0, 2], [3]):
+        expected = rt.generate([prompt], DecodeOptions(max_new_tokens=16))[0]
+        ids, pieces, finish = stream(triton["grpc"], [tensor("prompt_ids", np.array(prompt, dtype=np.int64)),
+                                                       tensor("max_tokens", np.array([16], dtype=np.int32))])
+        assert sum(ids, []) == expected.token_ids
+        assert "".join(pieces) == expected.text
+        assert len([i for i in ids if i]) > 1  # several responses: it streamed
+        assert finish in ("stop", "length")
+    text = "w2 w4 w1"
+    expected = rt.generate([text], DecodeOptions(max_new_tokens=12, temperature=1.0, seed=4))[0]
+    ids, _, _ = stream(triton["grpc"], [tensor("text_input", np.array([text.encode()], dtype=np.object_)),
+                                        tensor("max_tokens", np.array([12], dtype=np.int32)),
+                                        tensor("temperature", np.array([1.0], dtype=np.float32)),
+                                        tensor("seed", np.array([4], dtype=np.int64))])
+    assert sum(ids, []) == expected.token_ids
+    rt.close()
+
+
+def test_triton_refuses_bad_input_and_serves_its_metrics(triton):
+    client = grpcclient.InferenceServerClient(triton["grpc"])
+    errors = queue.Queue()
+    client.start_stream(callback=lambda result, error: errors.put(error))
+    client.async_stream_infer("dspark", [tensor("prompt_ids", np.array([1, 99], dtype=np.int64))])
+    error = errors.get(timeout=60)
+    client.stop_stream()
+    assert error is not None and "0..5" in str(error)  # the id beyond the vocabulary, named in one line
+    assert "nv_inference_request_success" in httpx.get(triton["metrics"], timeout=10).text
