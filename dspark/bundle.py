@@ -147,6 +147,8 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     graphs = top.obj("graphs")
     for name in GRAPHS:
         _validate_graph(graphs.obj(name), folder)
+    for name in sorted(set(graphs.raw) - set(GRAPHS)):
+        graphs.fail(name, f"is not a graph of a bundle ({', '.join(GRAPHS)})")
     calibration = top.obj("calibration", default={})
     if calibration.has("sts_temperatures"):
         temps = calibration.number_list("sts_temperatures", positive=True)

@@ -151,10 +151,8 @@ def check_cmd(bundle, trt_lint, lint_only, as_json):
                 click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
             click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
         sys.exit(0 if not findings else 1)
-    from dspark.bundle import check_reference
     from dspark.export.check import check_bundle, format_report
 
-    check_reference(bundle)
     rep = check_bundle(bundle, trt_lint=trt_lint)
     click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
     sys.exit(0 if rep.passed else 1)
@@ -207,7 +205,7 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, thresh
     options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
                             threshold_rule=threshold_rule)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
-    ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True))  # --gate: profiled once, kept in the bundle
+    ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True), store=False)  # --gate without a table
     if as_json:
         res = rt.generate([prompt], options)[0]
         click.echo(json.dumps({"text": res.text, "token_ids": res.token_ids,
@@ -251,7 +249,7 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
     if not rows:
         raise DSparkError(f"{prompts} holds no prompts")
     rt = Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs)
-    ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True))
+    ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True), store=False)
     res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_new_tokens, temperature)
     if as_json:
         click.echo(json.dumps(res.as_dict()))

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.files import read_text
 
 DEV_PROMPTS_ENV = "DSPARK_DEV_PROMPTS"
 # beside a checkout of this repository: <workspace>/shared/data/prompts/dev.jsonl next to <workspace>/<repo>/
@@ -18,10 +19,9 @@ DEMO_PROMPTS = Path(__file__).resolve().parent / "assets" / "prompts" / "demo.js
 def read_prompts(path: Path, limit: int | None = None, domain: str | None = None) -> list[dict]:
     """JSONL rows with a 'prompt' (or DeepSpec 'turns') field."""
     rows = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
-    except FileNotFoundError:
-        raise DSparkError(f"prompt file {path} not found") from None
+    if not Path(path).exists():
+        raise DSparkError(f"prompt file {path} not found")
+    lines = read_text(path, f"prompt file {path}").split("\n")
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -29,8 +29,11 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
             row = json.loads(line)
         except json.JSONDecodeError:
             raise DSparkError(f"{path}:{i} is not valid JSON") from None
-        if isinstance(row, dict) and "prompt" not in row and row.get("turns"):
-            row["prompt"] = row["turns"][0]
+        if isinstance(row, dict) and "prompt" not in row and "turns" in row:
+            turns = row["turns"]
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+                raise DSparkError(f"{path}:{i}: 'turns' must be a non-empty list of strings, not {turns!r:.60}")
+            row["prompt"] = turns[0]
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise DSparkError(f"{path}:{i} has no 'prompt' string")
         if not row["prompt"].strip():

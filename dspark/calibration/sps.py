@@ -81,10 +81,11 @@ def write_sps(bundle: Path, result: dict) -> None:
 
 
 def ensure_sps_table(rt, policy: VerifyPolicy | str | None = None, max_batch: int = 1,
-                     say: Callable[[str], None] | None = None) -> bool:
+                     say: Callable[[str], None] | None = None, store: bool = True) -> bool:
     """Profile the SPS table on first use when `policy` (any policy if None) needs one and the bundle has none
-    covering `max_batch` requests: stored in the bundle's manifest (in memory only where the bundle is read-only)
-    and in `rt.manifest`, so decoders made afterwards use it. A batch-1 profile takes seconds; beyond the batches
+    covering `max_batch` requests: kept in `rt.manifest`, so decoders made afterwards use it, and with `store` also
+    written to the bundle's manifest (the demo's own bundle; `dspark run` and `bench` never change a bundle the user
+    did not name as output, so they profile for the run only). A batch-1 profile takes seconds; beyond the batches
     it covers, a table extrapolates linearly, which overrates the cost of larger batches.
     Torch-free: the run, bench and demo commands call it before decoding. Returns True when it profiled."""
     if policy is not None and not needs_sps_table(policy):
@@ -95,9 +96,12 @@ def ensure_sps_table(rt, policy: VerifyPolicy | str | None = None, max_batch: in
     say = say or (lambda message: None)
     batches = "batch 1" if max_batch == 1 else f"batch 1..{max_batch}"
     what = "no SPS table" if not table else f"the SPS table covers {len(table)} batch tokens"
-    say(f"{what} in {rt.folder}: profiling the verifier's steps/s once at {batches}, stored in its manifest")
+    kept = "stored in its manifest" if store else "for this run (`dspark calibrate --sps` stores one)"
+    say(f"{what} in {rt.folder}: profiling the verifier's steps/s at {batches}, {kept}")
     result = profile(rt, max_batch=max_batch)
     rt.manifest.calibration.update(result)
+    if not store:
+        return True
     try:
         write_sps(rt.folder, result)
     except OSError as e:

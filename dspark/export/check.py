@@ -19,7 +19,7 @@ from polygraphy.comparator.compare import SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 
-from dspark.bundle import Manifest
+from dspark.bundle import Manifest, check_reference
 from dspark.errors import DSparkError
 from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
 from dspark.export.trt_lint import lint_bundle
@@ -148,6 +148,7 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
     check_dir = bundle / CHECK_DIR
     if not (check_dir / "expected.json").exists():
         raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (exported with --no-check?); re-export it")
+    check_reference(bundle)  # the recorded data is untrusted input too (doctor reads it through here)
     rt = Runtime(bundle)
     rows: list[CheckRow] = []
     for name, count in CAPTURE.items():
@@ -157,7 +158,11 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
             if not inputs.exists():
                 continue
             feeds = dict(np.load(inputs))
-            got = {k: v.numpy() for k, v in graph.run(feeds).items()}
+            try:
+                got = {k: v.numpy() for k, v in graph.run(feeds).items()}
+            except Exception as e:  # onnxruntime's own error types: a graph that no longer takes its recorded inputs
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise DSparkError(f"{name}.onnx fails on {CHECK_DIR}/{inputs.name}: {first[:300]}") from None
             want = dict(np.load(ref))
             compared = compare_outputs(name, f"call {i}", got, want)
             if name in manifest.quantized:  # 8-bit draft weights: errors are reported, losslessness is checked e2e
@@ -176,7 +181,6 @@ def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
                      "tau": round(res.tau, 3)}
     lint = None
     if trt_lint:
-
         lint = [asdict(f) for f in lint_bundle(bundle, manifest)]
     return CheckReport(str(bundle), rows, e2e, lint)
 

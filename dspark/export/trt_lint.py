@@ -111,6 +111,6 @@ def lint_bundle(bundle: Path, manifest: Manifest | None = None) -> list[LintFind
     manifest = manifest or Manifest.read(bundle)
     out = []
     for name, spec in manifest.graphs.items():
-        model = onnx.load(str(Path(bundle) / spec.file), load_external_data=False)
+        model = onnx.load(str(Manifest.path(bundle, spec.file)), load_external_data=False)
         out += lint_model(model, name)
     return out

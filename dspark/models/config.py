@@ -1,6 +1,7 @@
 """Dimensions of the target and the draft, read from their config.json files."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +133,10 @@ class DraftConfig(LayerGeometry):
             extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
         )
         out.validate()
-        return out
+        # settings of a head the draft does not have mean nothing: kept as to_dict writes them (it omits them)
+        return dataclasses.replace(
+            out, markov_head_type=out.markov_head_type if rank > 0 else "vanilla",
+            confidence_head_with_markov=out.confidence_head_with_markov if out.enable_confidence_head else rank > 0)
 
     def validate(self) -> None:
         ids = list(self.target_layer_ids)

@@ -4,7 +4,8 @@ The batch is a fixed set of slots. A request is prefilled into a free slot (a ba
 slot's cache views) and decodes until it stops; its slot then takes the next queued request, while the other
 slots keep decoding. Each round mirrors dspark.models.reference step for step, and noise is per request
 (dspark.noise), so the tokens a request gets do not depend on the other requests in flight. (With the draft
-gate on, which rounds draft depends on the batch and on timing: greedy tokens stay the same, sampled ones are
+gate on, which rounds draft depends on the batch and on timing, and a round is a plain verifier step for all
+slots while any of them is within a block of the context's end: greedy tokens stay the same, sampled ones are
 then reproducible in distribution only.)
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 
 class OrtGraph:
     def __init__(self, folder: Path, name: str, spec: GraphSpec, options: ort.SessionOptions):
-        path = folder / spec.file
+        path = Manifest.path(folder, spec.file)
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad files

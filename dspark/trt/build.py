@@ -88,7 +88,7 @@ def register_plugin(trt, library: Path | None) -> dict:
 
 def build_copy(bundle: Path, spec_file: str, work: Path, precision: str, api: TrtApi) -> Path:
     """The ONNX file the parser reads: dspark function bodies removed, matmuls cast when strongly typed."""
-    model = ir.load(str(bundle / spec_file))
+    model = ir.load(str(Manifest.path(bundle, spec_file)))
     for key in [k for k in model.functions if k[0] == DOMAIN]:
         del model.functions[key]
     if api.plan(precision)["cast_graph"]:
@@ -222,7 +222,7 @@ class EngineBuilder:
         """The network of one graph, its parser and its plugin layers; every dspark node must have become a
         dspark plugin layer, and the network's inputs and outputs must be the manifest's."""
         trt = self.trt
-        _refuse(checks.node_problems(self.bundle / spec.file, CONFIDENCE_TRUNCATE))
+        _refuse(checks.node_problems(Manifest.path(self.bundle, spec.file), CONFIDENCE_TRUNCATE))
         flags = 0
         for flag in self.api.plan(self.options.precision)["network_flags"]:
             flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, flag))
@@ -232,7 +232,7 @@ class EngineBuilder:
         if not parser.parse_from_file(str(onnx_path)):
             errors = "; ".join(" ".join(str(parser.get_error(i)).split()) for i in range(parser.num_errors))
             raise DSparkError(f"{trt.__name__} could not parse {spec.file}: {errors[:400]}")
-        expected = checks.dspark_nodes(self.bundle / spec.file)
+        expected = checks.dspark_nodes(Manifest.path(self.bundle, spec.file))
         plugins = [layer for layer in checks.plugin_layers(trt, network)
                    if layer == f"{CONFIDENCE_TRUNCATE.namespace}::{CONFIDENCE_TRUNCATE.name}"]
         if len(plugins) != expected:

@@ -155,7 +155,7 @@ def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin
     section = manifest.tensorrt
     recorded = section.get("plugin", {})
     if plugin or recorded.get("library"):
-        plugin_path = Path(plugin or bundle / recorded["library"])
+        plugin_path = Path(plugin or Manifest.path(bundle, recorded["library"]))
         report.add("plugin library", "ok" if plugin_path.exists() else "fail",
                    f"C++ {plugin_path}" if plugin_path.exists() else f"{plugin_path} is missing")
     elif recorded:

@@ -197,4 +197,4 @@ def load_trt_engines(folder: Path, manifest: Manifest) -> dict[str, TrtEngine]:
     trt = import_tensorrt(section.get("flavor", "tensorrt"))
     load_recorded_plugin(trt, Path(folder), section.get("plugin", {}))
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    return {name: TrtEngine(Path(folder) / spec["file"], runtime, trt) for name, spec in section["engines"].items()}
+    return {name: TrtEngine(Manifest.path(folder, spec["file"]), runtime, trt) for name, spec in section["engines"].items()}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.ops.confidence_truncate.onnx_function import (
     DOMAIN,
@@ -178,7 +179,7 @@ def load_recorded_plugin(trt: ModuleType, folder: Path, record: dict) -> None:
     if not record.get("library"):
         register_python_plugin(trt)
         return
-    library = Path(folder) / record["library"]
+    library = Manifest.path(folder, record["library"])
     if trt.get_plugin_registry().load_library(str(library)) is None:
         raise DSparkError(f"{trt.__name__} could not load plugins from {library} (not a plugin library for this "
                           f"TensorRT, or its creator is already registered)")

@@ -174,7 +174,10 @@ def test_quantize_cli_refuses_the_verifier_and_reports_what_it_did(bundle):
 
 
 def test_run_with_the_draft_gate(bundle):
-    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1 w2", "--gate"), "SPS table")
+    before = (bundle / "manifest.json").read_bytes()
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2", "--max-new-tokens", 6, "--gate")
+    assert code == 0 and "no SPS table" in out and "for this run" in out, out  # profiled, not failed
+    assert (bundle / "manifest.json").read_bytes() == before  # and the user's bundle is left as it was
     prompts = bundle / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
     one_line_error(*run(main_cli, "bench", bundle, "--policy", "ar+gate", "--prompts", prompts), "no '+gate'")

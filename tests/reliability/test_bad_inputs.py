@@ -415,6 +415,16 @@ def _(b, t):
     return Cli(export_cli, ["check", b])
 
 
+@case("check with recorded inputs the graph cannot take")
+def _(b, t):
+    path = b / "check" / "draft_0_inputs.npz"
+    feeds = dict(np.load(path))
+    feeds["anchor"] = np.zeros((3, 5, 7), dtype=np.int64)  # a valid .npz of the wrong rank
+    with open(path, "wb") as f:
+        np.savez(f, **feeds)
+    return Cli(export_cli, ["check", b])
+
+
 def prompts_file(t: Path, text: str | bytes) -> Path:
     path = t / "prompts.jsonl"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -449,6 +459,16 @@ def _(b, t):
 @case("calibrate --prompts not JSON")
 def _(b, t):
     return Cli(main_cli, ["calibrate", b, "--prompts", prompts_file(t, "prompt: w1\n")])
+
+
+@case("calibrate --prompts 'turns' a string")
+def _(b, t):
+    return Cli(main_cli, ["calibrate", b, "--prompts", prompts_file(t, '{"turns": "text"}\n')])
+
+
+@case("bench --prompts 'turns' with a number")
+def _(b, t):
+    return Cli(main_cli, ["bench", b, "--prompts", prompts_file(t, '{"turns": [3]}\n')])
 
 
 @case("calibrate --out is a file")
