@@ -14,6 +14,7 @@ EXPORT = [
     "matplotlib>=3.8",
 ]
 TRT = ["tensorrt>=10", "cuda-python>=12"]
+RTX = ["tensorrt-rtx-cu13>=1.7,<1.8", "cuda-python>=12"]  # dspark-export build --flavor rtx (builds without a GPU)
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"]  # dspark serve
 # tensorrt-rtx-cu13: CI builds real engines with TensorRT for RTX (its builder needs no GPU); pinned to the minor
 # release whose loader work-around dspark.trt.rtx_libs was measured on
@@ -33,7 +34,7 @@ setup(
     package_data={"dspark": ["assets/**/*", "ops/*.cu", "ops/*.h", "ops/trt_plugin/*"]},
     include_package_data=True,
     install_requires=RUNTIME,
-    extras_require={"export": EXPORT, "trt": TRT, "dev": DEV, "serve": SERVE, "all": EXPORT + DEV},
+    extras_require={"export": EXPORT, "trt": TRT, "rtx": RTX, "dev": DEV, "serve": SERVE, "all": EXPORT + DEV},
     entry_points={
         "console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"],
         # backends of dspark.runtime, found by name (dspark.runtime.backend): the runtime never imports dspark.trt
