@@ -2,7 +2,9 @@
 autoregressive decoding on the same server (per-request policy "ar"), phases taking turns so the VM's drift hits
 both alike. Reports throughput (tokens/s, requests/s), TTFT, inter-token and end-to-end latency P50/P90/P99,
 success rate and tau; checks greedy server outputs against the in-process runtime, and measures the server's
-overhead against the in-process engine at concurrency 1.
+overhead at concurrency 1 against the same engine (same slots, policy and context) called in-process, the two
+taking turns pass by pass over the same requests. A closed-loop point at concurrency c sends max(--requests, 2c)
+requests, so c clients are really in flight at once.
 
     python bench/serve_load.py --bundle ~/.cache/dspark/bundles/<demo bundle> --out bench/results/serve_load
 """
@@ -77,6 +79,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, policy: str, max_t
     ok = bool(usage) and bool(stamps)
     return {"ok": ok, "ttft": stamps[0] - start if stamps else None, "e2e": end - start, "tokens": tokens,
             "itl": (stamps[-1] - stamps[0]) / max(tokens - 1, 1) if ok else None, "text": "".join(text),
+            "gaps": np.diff(stamps).tolist(),
             "start": start, "end": end}
 
 
@@ -124,7 +127,8 @@ def summarize(results: list[dict], tau: float | None) -> dict:
             "tokens": tokens, "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
             "requests_per_s": round(len(ok) / wall, 4) if wall else 0.0, "tau": tau,
             "ttft_s": percentiles(r["ttft"] for r in ok), "itl_s": percentiles(r["itl"] for r in ok),
-            "e2e_s": percentiles(r["e2e"] for r in ok)}
+            "e2e_s": percentiles(r["e2e"] for r in ok),
+            "chunk_gap_s": percentiles(g for r in ok for g in r["gaps"])}  # waits between streamed pieces
 
 
 def phase(url: str, run) -> tuple[list[dict], float | None]:
@@ -136,21 +140,58 @@ def phase(url: str, run) -> tuple[list[dict], float | None]:
     return results, round(tau, 4) if tau else None
 
 
-def in_process(args, prompts: list[str]) -> tuple[float, list[str]]:
-    """tokens/s of the engine called in-process at concurrency 1, and the greedy texts of Runtime.generate."""
-    rt = Runtime(args.bundle)
-    engine = Engine(rt, EngineOptions(batch_size=args.batch_size, policy=args.policy, max_context=args.max_context))
-    engine.start()
+def in_process_pass(engine: Engine, prompt_ids: list[list[int]], max_tokens: int) -> float:
+    """tokens/s of one pass over the prompts, one request at a time, through the engine in this process."""
     tokens, seconds = 0, 0.0
-    for prompt in prompts:
+    for ids in prompt_ids:
         start = time.perf_counter()
-        request = engine.submit(rt.encode(prompt), RequestOptions(max_tokens=args.max_tokens)).wait()
+        request = engine.submit(ids, RequestOptions(max_tokens=max_tokens)).wait()
         seconds += time.perf_counter() - start
         tokens += len(request.token_ids)
+    return tokens / seconds
+
+
+def server_pass(url: str, prompts: list[str], max_tokens: int) -> tuple[float, float]:
+    """The same pass through the server (requests sent one at a time, timed the same way: submit to last token),
+    and the share of the clients' time that the engine did not account for (HTTP, validation, tokenizing, SSE):
+    the server's own request-duration histogram counts from engine submit to the last token."""
+    engine_s = metric_sum(url, "dspark_request_duration_seconds_sum")
+    results = asyncio.run(closed_loop(url, prompts, "dspark", 1, len(prompts), max_tokens))
+    engine_s = metric_sum(url, "dspark_request_duration_seconds_sum") - engine_s
+    ok = [r for r in results if r["ok"]]
+    client_s = sum(r["e2e"] for r in ok)
+    return sum(r["tokens"] for r in ok) / client_s, 1 - engine_s / client_s
+
+
+def overhead(args, url: str, prompts: list[str]) -> tuple[dict, list[str]]:
+    """Server vs the same engine in-process at concurrency 1 (passes taking turns), and the greedy texts of
+    Runtime.generate (what `dspark run` gives) for the equality check."""
+    rt = Runtime(args.bundle)
+    engine = Engine(rt, EngineOptions(batch_size=args.batch_size, policy=args.policy, max_context=args.max_context))
+    engine.start().warm_up(rt.encode("Hello"))  # as the server does before /health says ready
+    prompt_ids = [rt.encode(p) for p in prompts]  # the chat template, as /v1/chat/completions applies it
+    runs: dict[str, list[float]] = {"in_process": [], "server": []}
+    outside_engine = []
+    for k in range(args.overhead_passes):
+        for how in (("in_process", "server") if k % 2 == 0 else ("server", "in_process")):
+            if how == "in_process":
+                runs[how].append(round(in_process_pass(engine, prompt_ids, args.max_tokens), 3))
+            else:
+                tps, outside = server_pass(url, prompts, args.max_tokens)
+                runs[how].append(round(tps, 3))
+                outside_engine.append(round(outside, 4))
+        print(json.dumps({"overhead_pass": k, **runs, "outside_engine": outside_engine}), flush=True)
     engine.close()
     texts = [r.text for r in rt.generate(prompts, DecodeOptions(max_new_tokens=args.max_tokens, batch_size=1))]
     rt.close()
-    return tokens / seconds, texts
+    if not args.overhead_passes:
+        return {}, texts
+    medians = {how: float(np.median(v)) for how, v in runs.items()}
+    pairs = [1 - s / i for s, i in zip(runs["server"], runs["in_process"])]
+    return {"tokens_per_s": runs, "median_tokens_per_s": medians,
+            "overhead": round(1 - medians["server"] / medians["in_process"], 4),
+            "overhead_per_pass": [round(x, 4) for x in pairs],
+            "server_time_outside_engine_per_pass": outside_engine}, texts
 
 
 def load_points(args, url: str, prompts: list[str]) -> list[dict]:
@@ -160,7 +201,8 @@ def load_points(args, url: str, prompts: list[str]) -> list[dict]:
     for k, (kind, level) in enumerate(plan):
         for policy in (POLICIES if k % 2 == 0 else POLICIES[::-1]):
             if kind == "closed":
-                run = closed_loop(url, prompts, policy, int(level), args.requests, args.max_tokens)
+                run = closed_loop(url, prompts, policy, int(level), max(args.requests, 2 * int(level)),
+                                  args.max_tokens)
             else:
                 run = open_loop(url, prompts, policy, level, args.requests, args.max_tokens, seed=k)
             results, tau = phase(url, run)
@@ -179,15 +221,18 @@ def rss_mb(pid: int) -> float:
 
 def soak(url: str, pid: int, prompts: list[str], tokens: int, max_tokens: int) -> dict:
     """Generate `tokens` tokens through the server (4 clients), sampling the server's RSS every ~tokens/10."""
-    samples, done, k = [], 0, 0
+    samples, done, k, sent, failed = [], 0, 0, 0, 0
+    start = time.perf_counter()
     while done < tokens:
         results = asyncio.run(closed_loop(url, prompts[k:] + prompts[:k], "dspark", 4, 4, max_tokens))
         done += sum(r["tokens"] for r in results if r["ok"])
+        sent, failed = sent + len(results), failed + sum(not r["ok"] for r in results)
         k = (k + 4) % len(prompts)
         if not samples or done - samples[-1][0] >= tokens / 10:
             samples.append((done, round(rss_mb(pid), 1)))
     rss = [mb for _, mb in samples[1:]] or [samples[0][1]]  # after the first batch: caches and pools warmed
-    return {"tokens": done, "rss_mb": samples, "rss_spread_after_warmup": round(max(rss) / min(rss) - 1, 4)}
+    return {"tokens": done, "requests": sent, "failed": failed, "seconds": round(time.perf_counter() - start, 1),
+            "rss_mb": samples, "rss_spread_after_warmup": round(max(rss) / min(rss) - 1, 4)}
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -224,17 +269,21 @@ def parse_args():
     ap.add_argument("--policy", default="all")
     ap.add_argument("--port", type=int, default=18650)
     ap.add_argument("--soak-tokens", type=int, default=0, help="Then generate this many tokens, sampling RSS.")
+    ap.add_argument("--overhead-passes", type=int, default=3,
+                    help="Passes over the prompts at concurrency 1, in-process and server taking turns.")
     return ap.parse_args()
 
 
 def main():
     args = parse_args()
     prompts = [r["prompt"] for r in dev_rows(None, per_domain=2)][:args.prompts]
-    inproc_tps, reference = in_process(args, prompts)
     url = f"http://127.0.0.1:{args.port}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(args, args.port, Path(tempfile.gettempdir()) / f"{args.out.name}.server.log")
+    started = time.perf_counter()
     try:
+        server_overhead, reference = overhead(args, url, prompts) if args.overhead_passes or args.concurrency \
+            else ({}, [])
         points = load_points(args, url, prompts)
         soaked = soak(url, server.pid, prompts, args.soak_tokens, args.max_tokens) if args.soak_tokens else None
     finally:
@@ -244,14 +293,13 @@ def main():
     equal = {p["policy"]: sum(t == ref for t, ref in zip(p["texts"], reference)) for p in c1}
     for p in points:
         del p["texts"]
-    server_c1 = next((p["tokens_per_s"] for p in c1 if p["policy"] == "dspark"), None)
     report = {"bundle": str(args.bundle), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+              "minutes": round((time.perf_counter() - started) / 60, 1),
               "greedy_equal_to_runtime": {"prompts": len(prompts), **equal},
-              "in_process_tokens_per_s_c1": round(inproc_tps, 3), "server_tokens_per_s_c1": server_c1,
-              "server_overhead_c1": round(1 - server_c1 / inproc_tps, 4) if server_c1 else None,
-              "soak": soaked, "points": points}
+              "server_overhead_c1": server_overhead, "soak": soaked, "points": points}
     write_json(args.out.with_suffix(".json"), report)
-    plot(points, args.out.with_suffix(".png"))
+    if points:
+        plot(points, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in report.items() if k != "points"}, indent=1))
 
 

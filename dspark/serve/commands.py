@@ -65,13 +65,16 @@ def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_conte
 @click.option("--python-env", type=click.Path(path_type=Path),
               help="EXECUTION_ENV_PATH: the environment (a venv folder) with dspark installed, for the Python "
                    "backend stub (default: this interpreter's environment).")
+@click.option("--max-context", type=click.IntRange(16, 1 << 20),
+              help="Positions each slot's caches hold (default: the bundle's max context).")
 @click.option("--force", is_flag=True, help="Replace an existing model folder.")
-def triton_cmd(bundle, output, model_name, instances, batch_size, policy, copy_bundle, python_env, force):
+def triton_cmd(bundle, output, model_name, instances, batch_size, policy, copy_bundle, python_env, max_context,
+               force):
     """Write a Triton Inference Server model repository (Python backend, decoupled: tokens stream) serving
     BUNDLE with the dspark runtime."""
     from dspark.serve.triton import TritonModel, write_repository
 
     model = TritonModel(bundle=bundle, name=model_name, instances=instances, batch_size=batch_size,
-                        policy=policy, copy_bundle=copy_bundle, python_env=python_env)
+                        policy=policy, copy_bundle=copy_bundle, python_env=python_env, max_context=max_context)
     folder = write_repository(model, output, force=force)
     click.echo(f"wrote {folder}")

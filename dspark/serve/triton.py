@@ -35,13 +35,15 @@ class TritonModel:
     copy_bundle: bool = False
     python_env: Path | None = None  # EXECUTION_ENV_PATH; None: this interpreter's environment
     threads: int | None = None
+    max_context: int | None = None  # positions each slot's caches hold (None: the bundle's max context)
 
     def parameters(self) -> dict[str, str]:
         params = {"bundle": "bundle" if self.copy_bundle else str(Path(self.bundle).resolve()),
                   "batch_size": str(self.batch_size), "policy": str(VerifyPolicy.parse(self.policy)),
                   "EXECUTION_ENV_PATH": str(Path(self.python_env or sys.prefix).resolve())}
-        if self.threads:
-            params["threads"] = str(self.threads)
+        for name in ("threads", "max_context"):
+            if getattr(self, name):
+                params[name] = str(getattr(self, name))
         return params
 
 
@@ -77,3 +79,16 @@ def write_repository(model: TritonModel, repository: Path, force: bool = False) 
             shutil.copytree(model.bundle, version / "bundle")
         (tmp / "config.pbtxt").write_text(config_pbtxt(model))
     return folder
+
+
+def python_backend_dir(site_packages: Path, into: Path) -> Path:
+    """A --backend-directory for the tritonserver of the nvidia-pytriton wheel installed in `site_packages`: its
+    python/ holds the wheel's Python backend, utilities and the stub for this interpreter's version."""
+    wheel = site_packages / "pytriton" / "tritonserver"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    backend = into / "python"
+    backend.mkdir(parents=True)
+    for f in (wheel / "backends/python/libtriton_python.so", wheel / "backends/python/triton_python_backend_utils.py",
+              wheel / f"python_backend_stubs/{python}/triton_python_backend_stub"):
+        shutil.copy(f, backend)
+    return into

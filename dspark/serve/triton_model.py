@@ -41,7 +41,8 @@ class TritonPythonModel:
             bundle = Path(args["model_repository"]) / args["model_version"] / bundle
         self.runtime = Runtime(bundle, threads=int(params["threads"]) if params.get("threads") else None)
         options = EngineOptions(batch_size=int(params.get("batch_size", 4)), policy=params.get("policy", "all"),
-                                max_queue=int(params.get("max_queue", 64)))
+                                max_queue=int(params.get("max_queue", 64)),
+                                max_context=int(params["max_context"]) if params.get("max_context") else None)
         self.engine = Engine(self.runtime, options).start()
         self.lock = threading.Lock()
 

@@ -133,3 +133,46 @@ def test_close_finishes_or_cancels_every_accepted_request(runtime):
     assert set(reasons) <= {"stop", "length", "cancelled"} and "cancelled" in reasons
     with pytest.raises(EngineClosed):
         engine.submit(PROMPTS[0], RequestOptions())
+
+
+class RowSpy:
+    """Wraps the verifier graph: records how many rows each call computes."""
+
+    def __init__(self, graph):
+        self.graph, self.rows = graph, []
+
+    def run(self, feeds):
+        self.rows.append(feeds["tokens"].shape[0])
+        return self.graph.run(feeds)
+
+
+@pytest.mark.parametrize("policy", ["all", "ar"])
+def test_rounds_compute_only_the_live_rows(tiny_bundle_v6, policy):
+    """A lone request pays a one-row step on a 3-slot engine, and when a request below two live ones leaves, they
+    move down (caches, pending features, noise) and keep decoding exactly as alone."""
+    rt = Runtime(tiny_bundle_v6[3], threads=1)
+    spy = rt.backend.verifier = RowSpy(rt.backend.verifier)
+    engine = Engine(rt, EngineOptions(batch_size=3, policy=policy, max_queue=4))
+    try:
+        engine.start()
+        for prompt in PROMPTS[:2]:  # one at a time
+            engine.submit(prompt, RequestOptions(max_tokens=6)).wait()
+        assert set(spy.rows) == {1}
+        engine.close(grace=0)
+        asked = [(PROMPTS[4], dict(max_tokens=3)), (PROMPTS[1], dict(max_tokens=16)),
+                 (PROMPTS[3], dict(max_tokens=30, temperature=1.0, seed=4))]  # the sampled one moves: slot 2 -> 0
+        options = [DecodeOptions(max_new_tokens=o["max_tokens"], temperature=o.get("temperature", 0.0),
+                                 seed=o.get("seed", 0), policy=policy) for _, o in asked]
+        lone = [rt.generate([p], o)[0] for (p, _), o in zip(asked, options)]
+        spy.rows.clear()
+        engine = Engine(rt, EngineOptions(batch_size=3, policy=policy, max_queue=4))  # not started: one prefill
+        requests = [engine.submit(p, RequestOptions(**o)) for p, o in asked]
+        engine.start()
+        assert wait_until(lambda: all(r.done for r in requests), 120)
+        assert [r.token_ids for r in requests] == [r.token_ids for r in lone]
+        assert [r.committed for r in requests] == [r.committed for r in lone]  # same drafts accepted, round by round
+        prefills, rounds = spy.rows[:3], spy.rows[3:]  # each prompt prefilled alone (no padding), then rounds
+        assert prefills == [1, 1, 1] and rounds == sorted(rounds, reverse=True) and {3, 2, 1} <= set(rounds)
+    finally:
+        engine.close(grace=0)
+        rt.close()

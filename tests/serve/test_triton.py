@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.serve.triton import python_backend_dir
 from serve_support import free_port, wait_until
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import np_to_triton_dtype  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 TRITON_VENV = Path(os.environ.get("DSPARK_TRITON_VENV", Path.home() / ".cache/dspark/triton-venv"))
 TRITON_PACKAGES = ["nvidia-pytriton", "numpy<2", "onnxruntime", "tokenizers", "jinja2", "click"]
 
@@ -47,14 +47,10 @@ def triton(tiny_bundle_v6, tmp_path_factory):
     site = triton_venv()
     wheel = site / "pytriton" / "tritonserver"
     tmp = tmp_path_factory.mktemp("triton")
-    backend = tmp / "backends" / "python"
-    backend.mkdir(parents=True)
-    for f in (wheel / "backends/python/libtriton_python.so", wheel / "backends/python/triton_python_backend_utils.py",
-              wheel / f"python_backend_stubs/{PY}/triton_python_backend_stub"):
-        shutil.copy(f, backend)
+    python_backend_dir(site, tmp / "backends")
     subprocess.run([sys.executable, "-c", "from dspark.cli import export_cli; export_cli()", "triton",
                     str(tiny_bundle_v6[3]), "--output", str(tmp / "repo"), "--batch-size", "2",
-                    "--python-env", str(TRITON_VENV)], check=True)
+                    "--max-context", "64", "--python-env", str(TRITON_VENV)], check=True)
     http, grpc, metrics = free_port(), free_port(), free_port()
     log = tmp / "tritonserver.log"
     env = {**os.environ, "LD_LIBRARY_PATH": str(site / "nvidia_pytriton.libs")}
@@ -134,6 +130,10 @@ def test_triton_refuses_bad_input_and_serves_its_metrics(triton):
     client.start_stream(callback=lambda result, error: errors.put(error))
     client.async_stream_infer("dspark", [tensor("prompt_ids", np.array([1, 99], dtype=np.int64))])
     error = errors.get(timeout=60)
-    client.stop_stream()
     assert error is not None and "0..5" in str(error)  # the id beyond the vocabulary, named in one line
+    client.async_stream_infer("dspark", [tensor("prompt_ids", np.array([1, 2, 3], dtype=np.int64)),
+                                         tensor("max_tokens", np.array([100], dtype=np.int32))])
+    error = errors.get(timeout=60)  # fits the bundle's 256 positions, not the repository's --max-context 64
+    client.stop_stream()
+    assert error is not None and "context of 64 positions" in str(error)
     assert "nv_inference_request_success" in httpx.get(triton["metrics"], timeout=10).text
