@@ -90,3 +90,15 @@ def draft_vocab_ids(loaded, drafter, samples, size: int) -> np.ndarray | None:
     vocab = drafter.cfg.vocab_size
     ranked, _ = rank_tokens([s.tokens[s.prompt_len:] for s in samples], vocab)
     return shortlist(ranked, size, vocab, ChatTokenizer(loaded.folder).stop_ids)
+
+
+def bandwidth_gb_s() -> float:
+    """Best of 5 copies of 256 MB (read + write bytes per second): this machine's memory bandwidth."""
+    a = np.ones(256 << 20 >> 2, dtype=np.float32)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best

@@ -19,18 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import machine, write_json
-
-
-def bandwidth_gb_s() -> float:
-    a = np.ones(256 << 20 >> 2, dtype=np.float32)
-    b = np.empty_like(a)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+from common import bandwidth_gb_s, machine, write_json
 
 
 def export_plain(hf, path: Path) -> None:

@@ -1,54 +1,114 @@
-"""8-bit weight-only quantization of a bundle's draft-side graphs for ONNX Runtime on CPU.
+"""Weight-only quantization of a bundle's graphs for ONNX Runtime on CPU (MatMulNBits).
 
-At batch 1 the heads graph is bound by memory traffic: its base LM head reads the whole [d, V] matrix each round
-(SmolLM2: 113 MB fp32), which costs as much as the verifier's own LM head. MatMulNBits with 8-bit blocks reads a
-quarter of that. Quantizing the *draft* side never changes the tokens a request gets: the heads graph outputs the
-distribution it actually sampled from, and verification (greedy match or rejection sampling against the target)
-uses exactly that distribution, so decoding stays lossless; only acceptance can move a little. The verifier, which
-defines the output, is never quantized here.
+At batch 1 every graph is bound by reading its weights; MatMulNBits reads 4- or 8-bit blocks instead of fp32.
+
+- verifier: it defines the output, so a quantized verifier *is* the model decoded; DSpark stays exact with respect
+  to it (greedy DSpark equals its own autoregressive output, sampling follows its distribution). For a GGUF target
+  it keeps the file's own blocks where MatMulNBits can hold them (dspark.export.gguf_blocks: Q8_0, Q4_0 exactly,
+  Q4_1 with a per-block minimum term), i.e. the model the user chose rather than a requantization of its fp32
+  dequantization. Other weights go through onnxruntime's quantizer (round to nearest, --bits, --block-size).
+  Its top-1 agreement with the fp32 verifier on a few prompts is measured and stored.
+- draft, heads: the draft side never changes the tokens a request gets (verification uses the distribution the
+  draft side actually sampled from); only acceptance can move.
+
+The graph is read with onnx.load (external data resolved from wherever the bundle keeps it) and written with its
+own new external data file `<graph file>.data`; files other graphs share are left as they are.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
 from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
+from dspark.export.agreement import measure_agreement
+from dspark.export.gguf_blocks import Q4_1_MODES, read_matrices, to_nbits
+from dspark.export.gguf_map import match_weights
+from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, materialize, probe_weight
 from dspark.files import Temporary, normal_mode, replace_folder
 
-QUANTIZABLE = ("heads", "draft")
+QUANTIZABLE = ("verifier", "draft", "heads")
+MIN_ELEMENTS = {"verifier": 1 << 16, "draft": 1 << 16, "heads": 1 << 20}  # smaller MatMuls stay fp32
+SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # the verifier's measured costs
 
 
-def _large_matmuls(model, min_elements: int) -> tuple[list[str], list[str]]:
-    """(names of MatMuls whose constant weight has >= min_elements, names of all other MatMuls)."""
+@dataclass
+class QuantizeOptions:
+    bits: int = 8
+    block_size: int = 32
+    accuracy_level: int | None = None  # MatMulNBits: 0 = fp32 activations, 4 = int8; None: see _level
+    head_bits: int = 8  # the vocabulary-sized MatMul (LM head)
+    head_accuracy_level: int | None = None  # the vocabulary-sized MatMul's (None: see _level)
+    symmetric: bool = True
+    gguf: str = "auto"  # "auto": the target's GGUF when the bundle came from one; "off"; or a .gguf path
+    q4_1: str = "mins"  # or "float-zp" (MatMulNBits' floating zero points: inexact, slow on CPU; measurement only)
+    min_elements: int | None = None  # None: MIN_ELEMENTS of the graph
+    agreement_prompts: int = 6  # 0: no agreement run
+    agreement_tokens: int = 32
+    prompt_file: Path | None = None
 
-    sizes = {i.name: int(np.prod(i.dims)) for i in model.graph.initializer}
-    big, small = [], []
-    for node in model.graph.node:
-        if node.op_type != "MatMul":
-            continue
-        weight = sizes.get(node.input[1])
-        (big if weight is not None and weight >= min_elements else small).append(node.name)
-    return big, small
+
+def _check_options(manifest: Manifest, graphs: list[str], opts: QuantizeOptions) -> None:
+    for g in graphs:
+        if g not in QUANTIZABLE:
+            raise DSparkError(f"{g!r} is not a graph of a bundle ({', '.join(QUANTIZABLE)})")
+    for g in graphs:
+        if g in manifest.quantized:
+            raise DSparkError(f"{g}.onnx is already quantized ({manifest.quantized[g].get('bits', '?')}-bit)")
+    if opts.bits not in (4, 8) or opts.head_bits not in (4, 8):
+        raise DSparkError(f"--bits {opts.bits} / --head-bits {opts.head_bits}: MatMulNBits weights are 4 or 8 bits")
+    if "heads" in graphs and opts.bits != 8:
+        raise DSparkError(f"--bits {opts.bits}: the heads graph takes 8-bit weights only (its vocabulary-sized LM "
+                          f"head drafts every token); 4 bits are for --graphs verifier,draft")
+    if opts.block_size < 16 or opts.block_size & (opts.block_size - 1):
+        raise DSparkError(f"--block-size {opts.block_size}: MatMulNBits blocks are a power of two >= 16")
+    for level in (opts.accuracy_level, opts.head_accuracy_level):
+        if level is not None and not 0 <= level <= 4:
+            raise DSparkError(f"accuracy level {level}: MatMulNBits takes 0..4")
+    if opts.q4_1 not in Q4_1_MODES:
+        raise DSparkError(f"q4_1={opts.q4_1!r}: one of {', '.join(Q4_1_MODES)}")
 
 
-def _load_unlinked(bundle: Path, file: str):
-    """onnx.load, also for a bundle copied with hard links (cp -al), whose external data onnx refuses to read
-    ("potential hardlink attack"): then the graph is read from a private copy."""
+def gguf_source(manifest: Manifest, choice: str) -> Path | None:
+    """The GGUF file whose blocks the verifier keeps: the bundle's recorded target file when it is a GGUF that is
+    still there unchanged ("auto"), none ("off"), or a path the user gives (checked against the recorded hash)."""
+    if choice == "off":
+        return None
+    target = manifest.sources.get("target") or {}
+    path = Path(target.get("file") or "") if choice == "auto" else Path(choice)
+    if choice == "auto" and (path.suffix != ".gguf" or not path.is_file()):
+        return None
+    if not path.is_file():
+        raise DSparkError(f"--gguf {choice}: no such file")
+    if target.get("sha256") and sha256_file(path) != target["sha256"]:
+        if choice == "auto":
+            return None
+        raise DSparkError(f"--gguf {choice}: not the GGUF this bundle was exported from (sha256 differs)")
+    return path
 
-    files = [f for f in (file, f"{file}.data") if Manifest.path(bundle, f).exists()]
-    if all((bundle / f).stat().st_nlink == 1 for f in files):
-        return onnx.load(str(bundle / file))
+
+def _load_unlinked(bundle: Path, file: str) -> onnx.ModelProto:
+    """onnx.load with every external data file the graph names, also for a bundle copied with hard links (cp -al),
+    whose external data onnx refuses to read ("potential hardlink attack"): then from a private copy."""
+    path = Manifest.path(bundle, file)
+    skeleton = onnx.load(str(path), load_external_data=False)
+    data = {kv.value for t in skeleton.graph.initializer for kv in t.external_data if kv.key == "location"}
+    files = [file] + sorted(data)
+    if all(Manifest.path(bundle, f).stat().st_nlink == 1 for f in files):
+        onnx.load_external_data_for_model(skeleton, str(path.parent))
+        return skeleton
     private = Temporary(bundle.with_name(f"{bundle.name}.read"))
     try:
         for f in files:
-            shutil.copyfile(bundle / f, private.path / f)
+            (private.path / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Manifest.path(bundle, f), private.path / f)
         return onnx.load(str(private.path / file))
     finally:
         private.remove()
@@ -67,57 +127,160 @@ def _linked_copy(bundle: Path, into: Path) -> None:
     shutil.copytree(bundle, into, copy_function=link, dirs_exist_ok=True)
 
 
-def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size: int = 32,
-                   accuracy_level: int = 4, min_elements: int = 1 << 20) -> dict:
-    """Replace BUNDLE/<graph>.onnx by its MatMulNBits version (MatMuls with weights of >= min_elements only) and
-    record it in the manifest. The new graph, its data and the manifest are written into a copy of the bundle
-    (hard links) that replaces the bundle in one step: readers see the old set or the new one, never a mix."""
+def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool) -> int:
+    """accuracy_level of one MatMulNBits: as asked, else int8 activations (4) for 8-bit weights, whose fp32 path
+    ONNX Runtime's CPU kernel runs tens of times slower (SmolLM2's verifier step with its 8-bit LM head at
+    level 0: 327 vs 34 ms), and on the draft side; fp32 activations (0) for the verifier's 4-bit weights.
+    Rounding activations to int8 turns the last-bit differences between a 1-position and a k-position verifier
+    step (attention over a longer masked cache) into different tokens: on SmolLM2 greedy DSpark then differed
+    from the same verifier's own autoregressive output on 7 of 9 prompts (9 of 9 equal with fp32 activations)."""
+    asked = opts.head_accuracy_level if head else opts.accuracy_level
+    if asked is not None:
+        return asked
+    return 0 if graph == "verifier" and bits == 4 else 4
 
 
+def _gguf_blocks(model: onnx.ModelProto, weights: list[ConstWeight], path: Path, vocab: int, opts: QuantizeOptions
+                 ) -> tuple[dict, list[ConstWeight]]:
+    """Replace every MatMul whose weight a GGUF matrix holds by that matrix's own blocks; (report, the rest)."""
+    matrices, unsupported = read_matrices(path)
+    matches, rest = match_weights(weights, matrices)
+    writer = NBitsWriter(model, 4)
+    worst: dict[str, float] = {}
+    for m in matches:
+        nbits = to_nbits(m.matrix, opts.q4_1).take_rows(m.order)
+        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab))
+        diff = float(abs(probe_weight(nbits) - m.matrix.dequantize()[m.order]).max())
+        worst[m.matrix.qtype] = max(worst.get(m.matrix.qtype, 0.0), diff)
+    writer.apply()
+    formats = Counter(m.matrix.qtype for m in matches)
+    return {"gguf": str(path), "formats": dict(formats), "q4_1": opts.q4_1 if "Q4_1" in formats else None,
+            "max_abs_weight_diff": worst, "names_agree": sum(m.name_agrees for m in matches),
+            "unsupported": unsupported}, rest
+
+
+def _ort_quantize(model: onnx.ModelProto, weights: list[ConstWeight], vocab: int, graph: str,
+                  opts: QuantizeOptions) -> tuple[onnx.ModelProto, dict]:
+    """onnxruntime's MatMulNBits quantizer (round to nearest) on `weights`: the vocabulary-sized MatMul at
+    head_bits, the others at bits."""
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    materialize(model, weights)
+    every = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    groups: dict[tuple[int, int], list[str]] = {}
+    for w in weights:
+        head = w.shape[1] == vocab
+        bits = opts.head_bits if head else opts.bits
+        groups.setdefault((bits, _level(opts, graph, bits, head)), []).append(w.node.name)
+    for (bits, level), names in sorted(groups.items()):
+        config = DefaultWeightOnlyQuantConfig(block_size=opts.block_size, is_symmetric=opts.symmetric,
+                                              accuracy_level=level, bits=bits)
+        quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=sorted(every - set(names)), algo_config=config)
+        quantizer.process()
+        model = quantizer.model.model
+    return model, {"matmuls": {f"{bits}-bit, accuracy_level {level}": len(names)
+                               for (bits, level), names in sorted(groups.items())}}
 
-    bundle = Path(bundle)
-    if graph not in QUANTIZABLE:
-        raise DSparkError(f"only the draft-side graphs ({', '.join(QUANTIZABLE)}) can be quantized; the verifier "
-                          f"defines the output and stays as exported")
-    if bits != 8:
-        raise DSparkError(f"--bits {bits}: only 8-bit weights are supported (4-bit loses 25-40% top-1 agreement "
-                          f"on SmolLM2-135M)")
-    manifest = Manifest.read(bundle)
-    if graph in manifest.quantized:
-        raise DSparkError(f"{graph}.onnx of {bundle} is already quantized ({manifest.quantized[graph]['bits']}-bit)")
+
+def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: QuantizeOptions
+                    ) -> tuple[onnx.ModelProto, dict]:
     spec = manifest.graphs[graph]
     try:
         model = _load_unlinked(bundle, spec.file)
+    except DSparkError:
+        raise
     except Exception as e:  # protobuf / external-data errors
         raise DSparkError(f"cannot read {bundle / spec.file}: {str(e).splitlines()[0][:200]}") from None
-    big, small = _large_matmuls(model, min_elements)
-    if not big:
-        raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {min_elements} elements to quantize")
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
-                                          bits=bits)
-    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=small, algo_config=config)
-    quantizer.process()
-    qmodel = quantizer.model.model
+    minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
+    weights = constant_matmul_weights(model, minimum)
+    if not weights:
+        raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
+    record = {"op": "MatMulNBits", "bits": opts.bits, "head_bits": opts.head_bits, "block_size": opts.block_size,
+              "symmetric": opts.symmetric,
+              "matmuls": [w.node.name for w in weights], "fp32_sha256": spec.sha256}
+    gguf = gguf_source(manifest, opts.gguf) if graph == "verifier" else None
+    if gguf is not None:
+        record["gguf_blocks"], weights = _gguf_blocks(model, weights, gguf, manifest.target["vocab_size"], opts)
+    if weights:
+        model, record["onnxruntime_quantizer"] = _ort_quantize(model, weights, manifest.target["vocab_size"], graph,
+                                                               opts)
+    kinds = Counter(_kind(n) for n in model.graph.node if n.op_type == "MatMulNBits")
+    record["matmulnbits"] = dict(sorted(kinds.items()))
+    record["bits"] = min(int(k.split("-")[0]) for k in kinds)  # the narrowest weights the graph now holds
+    return model, record
+
+
+def _kind(node: onnx.NodeProto) -> str:
+    attrs = {a.name: a.i for a in node.attribute}
+    return f"{attrs['bits']}-bit, accuracy_level {attrs.get('accuracy_level', 0)}"
+
+
+def _write_graph(model: onnx.ModelProto, folder: Path, file: str) -> None:
+    data = f"{file}.data"
+    for name in (file, data):
+        (folder / name).unlink(missing_ok=True)  # a hard link to the old bundle's file: unlinked, never written
+    onnx.save(model, str(folder / file), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=data, size_threshold=1024)
+    for name in (file, data):
+        if (folder / name).exists():
+            normal_mode(folder / name)
+
+
+def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = QuantizeOptions()) -> dict[str, dict]:
+    """Quantize BUNDLE's `graphs` and record them in its manifest ({graph: record}). Graphs, data and manifest are
+    written into a copy of the bundle (hard links) that replaces it in one step: readers see the old set or the
+    new one, never a mix. A quantized verifier drops the stored SPS table (profiled on the old verifier)."""
+    bundle = Path(bundle)
+    manifest = Manifest.read(bundle)
+    graphs = list(dict.fromkeys(graphs))
+    _check_options(manifest, graphs, opts)
     staging = Temporary(bundle)
-    try:  # the new bundle is the old one with graph, data and manifest replaced, swapped in as one folder
-        tmp = staging.path
-        _linked_copy(bundle, tmp)
-        data = f"{spec.file}.data"
-        for name in (spec.file, data):
-            (tmp / name).unlink(missing_ok=True)
-        onnx.save(qmodel, str(tmp / spec.file), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=data, size_threshold=1024)
-        for name in (spec.file, data):
-            if (tmp / name).exists():
-                normal_mode(tmp / name)
-        record = {"bits": bits, "block_size": block_size, "accuracy_level": accuracy_level, "op": "MatMulNBits",
-                  "matmuls": big, "fp32_sha256": spec.sha256}
-        spec.sha256 = sha256_file(tmp / spec.file)
-        manifest.quantized[graph] = record
-        manifest.write(tmp)
+    try:
+        _linked_copy(bundle, staging.path)
+        records = {}
+        for graph in graphs:
+            model, record = _quantize_model(bundle, manifest, graph, opts)
+            _write_graph(model, staging.path, manifest.graphs[graph].file)
+            del model
+            manifest.graphs[graph].sha256 = sha256_file(staging.path / manifest.graphs[graph].file)
+            records[graph] = record
+        if "verifier" in graphs:
+            for key in SPS_KEYS:
+                manifest.calibration.pop(key, None)
+            if opts.agreement_prompts:
+                records["verifier"]["agreement"] = measure_agreement(
+                    bundle, staging.path, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
+        manifest.quantized.update(records)
+        manifest.write(staging.path)
         replace_folder(staging, bundle)
     except BaseException:
         staging.remove()
         raise
-    return record
+    return records
+
+
+def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size: int = 32,
+                   accuracy_level: int | None = None, min_elements: int | None = None, **options) -> dict:
+    """One graph (see quantize_bundle); returns its record."""
+    opts = replace(QuantizeOptions(), bits=bits, block_size=block_size, accuracy_level=accuracy_level,
+                   min_elements=min_elements, **options)
+    return quantize_bundle(bundle, [graph], opts)[graph]
+
+
+def describe_record(graph: str, rec: dict) -> str:
+    """One line per quantized graph: what became MatMulNBits, how, and the verifier's agreement with fp32."""
+    parts = []
+    blocks = rec.get("gguf_blocks")
+    if blocks:
+        formats = ", ".join(f"{k} {v}" for k, v in blocks["formats"].items())
+        worst = max(blocks["max_abs_weight_diff"].values(), default=0.0)
+        parts.append(f"GGUF blocks ({formats}; max |w - gguf| {worst:.3g})")
+    ort_part = rec.get("onnxruntime_quantizer")
+    if ort_part:
+        parts.append("onnxruntime " + ", ".join(f"{k}: {v}" for k, v in ort_part["matmuls"].items()))
+    line = (f"{graph}.onnx: {len(rec['matmuls'])} MatMul(s) -> {rec['op']} {rec['bits']}-bit, block "
+            f"{rec['block_size']}: {'; '.join(parts)}")
+    agreement = rec.get("agreement")
+    if agreement:
+        line += (f"; top-1 agreement with fp32 {100 * agreement['top1']:.1f}% over {agreement['positions']} "
+                 f"positions ({agreement['prompts']} prompts)")
+    return line

@@ -59,7 +59,7 @@ class BuildOptions:
 def not_buildable(manifest: Manifest) -> str | None:
     """Why TensorRT cannot build this bundle's graphs, or None."""
     if manifest.quantized:
-        return (f"{', '.join(manifest.quantized)} hold 8-bit MatMulNBits weights (an ONNX Runtime CPU operator); "
+        return (f"{', '.join(manifest.quantized)} hold MatMulNBits weights (an ONNX Runtime CPU operator); "
                 f"TensorRT needs the graphs as exported: build from a bundle that was not quantized")
     return None
 

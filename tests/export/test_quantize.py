@@ -1,4 +1,5 @@
-"""8-bit draft-side quantization of a bundle: recorded, refused where it would change the output, and lossless."""
+"""8-bit draft-side quantization of a bundle: recorded, refused where it is meaningless, and lossless (the
+verifier's quantization: test_quantize_verifier.py)."""
 import shutil
 
 import numpy as np
@@ -11,7 +12,15 @@ from dspark.export.check import check_bundle
 from dspark.export.quantize import quantize_graph
 from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
-from test_bundle_tiny import PROMPT, SAMPLES, V, _bundle_samples, prompts
+from test_bundle_tiny import PROMPT, SAMPLES, V, prompts
+
+
+def sample_paths(bundle, samples: int, seed: int):
+    """`samples` requests of 3 sampled tokens after PROMPT, in batches of 1000 (one batch of thousands is much
+    slower); (the complete 3-token paths, every result)."""
+    results = Runtime(bundle).generate([PROMPT] * samples, DecodeOptions(max_new_tokens=3, temperature=1.0,
+                                                                         seed=seed, batch_size=1000))
+    return [tuple(r.token_ids) for r in results if len(r.token_ids) == 3], results
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +60,22 @@ def test_quantized_heads_sampling_is_lossless(quantized):
     expected = exact_joint(hf, PROMPT, 3, V)
     stop = set(Runtime(q).manifest.stop_token_ids)
     keep = {k: p for k, p in expected.items() if not stop.intersection(k[:2])}
-    samples, results = _bundle_samples(q, 77)
+    samples, results = sample_paths(q, SAMPLES, 77)
     assert len(samples) > 0.5 * SAMPLES
     assert chi_square_pvalue(samples, keep) > 1e-3
     assert np.mean([a for r in results for a in r.accepted]) > 0.1
 
 
-def test_quantize_refuses_the_verifier_twice_and_other_bits(quantized, tmp_path):
+def test_quantize_refuses_unknown_graphs_twice_and_other_bits(quantized, tmp_path):
     _, original, q, _ = quantized
-    with pytest.raises(DSparkError, match="verifier"):
-        quantize_graph(q, "verifier")
+    with pytest.raises(DSparkError, match="not a graph"):
+        quantize_graph(q, "lm_head")
     with pytest.raises(DSparkError, match="already quantized"):
         quantize_graph(q, "heads", min_elements=0)
     with pytest.raises(DSparkError, match="8-bit"):
         quantize_graph(original, "heads", bits=4)
+    with pytest.raises(DSparkError, match="4 or 8"):
+        quantize_graph(original, "draft", bits=3)
     with pytest.raises(DSparkError, match="no MatMul"):
         quantize_graph(original, "heads", min_elements=1 << 40)
     with pytest.raises(DSparkError, match="not found"):

@@ -147,7 +147,7 @@ def test_cli_refusals_are_one_line(tiny_bundle_v6, tmp_path):
     manifest = Manifest.read(bundle)
     manifest.quantized = {"heads": {"bits": 8}}
     manifest.write(bundle)
-    for args, message in ((["--flavor", "rtx"], "not buildable for TensorRT, because heads hold 8-bit"),
+    for args, message in ((["--flavor", "rtx"], "not buildable for TensorRT, because heads hold MatMulNBits"),
                           (["--flavor", "rtx", "--compute-capability", "90"], "not buildable")):
         result = CliRunner().invoke(export_cli, ["build", str(bundle), *args])
         assert result.exit_code == 2 and result.output.startswith("error:") and message in result.output
@@ -230,5 +230,5 @@ def test_doctor_reports_a_quantized_bundle_as_not_buildable(tiny_bundle_v6, tmp_
     report = run_doctor(bundle, flavor="rtx")
     checks = {check.name: check for check in report.checks}
     assert checks["TensorRT build"].status == "skipped"
-    assert checks["TensorRT build"].detail.startswith("not buildable for TensorRT, because heads hold 8-bit")
+    assert checks["TensorRT build"].detail.startswith("not buildable for TensorRT, because heads hold MatMulNBits")
     assert "engines" not in checks and not (bundle / "engines").exists()

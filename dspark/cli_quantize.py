@@ -1,0 +1,50 @@
+"""`dspark-export quantize`: weight-only MatMulNBits for a bundle's graphs (added to `dspark-export` by
+dspark/cli.py; the quantizer itself loads inside the command)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("quantize")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--graphs", "graph_list", help="Comma-separated graphs to quantize: verifier, draft, heads "
+              "(default: heads).")
+@click.option("--graph", "graphs", multiple=True, type=click.Choice(["heads", "draft"]),
+              help="A draft-side graph to quantize (repeatable; --graphs also takes the verifier).")
+@click.option("--bits", default=8, show_default=True, type=int, help="Weight bits: 8, or 4 (verifier, draft).")
+@click.option("--head-bits", default=8, show_default=True, type=int, help="Bits of the vocabulary-sized MatMul.")
+@click.option("--block-size", default=32, show_default=True, type=click.IntRange(16, 256),
+              help="Quantization block along the reduction axis.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4),
+              help="MatMulNBits accuracy_level: 4 = int8 activations (fast at any position count), 0 = fp32 "
+                   "(default: 0 for the verifier's 4-bit weights, which keeps DSpark equal to its AR output; else 4).")
+@click.option("--head-accuracy-level", type=click.IntRange(0, 4),
+              help="accuracy_level of the vocabulary-sized MatMul (default: 4 for 8-bit weights).")
+@click.option("--asymmetric", is_flag=True, help="onnxruntime's quantizer with zero points (default: symmetric).")
+@click.option("--gguf", default="auto", show_default=True,
+              help="Verifier of a GGUF target: keep the file's own blocks ('auto': the file it was exported from, "
+                   "when still there; 'off'; or the .gguf path).")
+@click.option("--min-elements", type=click.IntRange(0),
+              help="Only MatMuls whose weight has at least this many elements (default 65536; heads 1048576).")
+@click.option("--agreement-prompts", default=6, show_default=True, type=click.IntRange(0),
+              help="Prompts for the verifier's top-1 agreement with fp32 (0: skip).")
+@click.option("--agreement-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="Greedy fp32 tokens per prompt the agreement is measured on.")
+@click.option("--prompts", "prompt_file", type=click.Path(path_type=Path),
+              help="JSONL prompts for the agreement (default: the dev prompts, else the demo set).")
+def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accuracy_level, head_accuracy_level,
+                 asymmetric, gguf, min_elements, agreement_prompts, agreement_tokens, prompt_file):
+    """Weight-only MatMulNBits for BUNDLE's graphs (ONNX Runtime CPU). Draft side: decoding stays lossless.
+    Verifier: DSpark stays exact with respect to the quantized verifier; its top-1 agreement with fp32 is
+    measured and stored in the manifest."""
+    from dspark.export.quantize import QuantizeOptions, describe_record, quantize_bundle
+
+    names = [g.strip() for g in graph_list.split(",") if g.strip()] if graph_list else []
+    opts = QuantizeOptions(bits=bits, head_bits=head_bits, block_size=block_size, accuracy_level=accuracy_level,
+                           head_accuracy_level=head_accuracy_level, symmetric=not asymmetric, gguf=gguf,
+                           min_elements=min_elements, agreement_prompts=agreement_prompts,
+                           agreement_tokens=agreement_tokens, prompt_file=prompt_file)
+    for g, rec in quantize_bundle(bundle, names + list(graphs) or ["heads"], opts).items():
+        click.echo(describe_record(g, rec))

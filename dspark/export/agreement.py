@@ -1,0 +1,97 @@
+"""Top-1 agreement of a quantized verifier with the verifier it was quantized from.
+
+The fp32 bundle decodes a few prompts greedily (autoregressive, its own text); then both verifier graphs score
+prompt + continuation in one teacher-forced pass each, with the LM head's output (the logits) added as a graph
+output, and the argmax at every continuation position is compared. The graphs are read from their bundle folders
+as they are (external data resolved by ONNX Runtime from the folder), so no weight is copied for this.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dspark.bundle import Manifest
+from dspark.export.nbits_graph import vocab_matmul_output
+from dspark.prompts import default_prompts_path, read_prompts
+from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.ort_backend import session_options
+
+
+@dataclass
+class Agreement:
+    prompts: int
+    positions: int  # continuation positions compared
+    top1: float  # fraction of positions where both argmaxes agree
+    first_difference: list[int | None]  # per prompt: the first continuation position that differs
+    max_new_tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def spread(rows: list, count: int) -> list:
+    """`count` rows spread evenly over the list (prompt files are grouped by domain)."""
+    if count >= len(rows):
+        return list(rows)
+    return [rows[i * len(rows) // count] for i in range(count)]
+
+
+class LogitsGraph:
+    """A verifier graph of a bundle folder with its logits as an extra output, run teacher-forced at batch 1."""
+
+    def __init__(self, folder: Path, manifest: Manifest, logits: str, threads: int | None = None):
+        spec = manifest.graphs["verifier"]
+        model = onnx.load(str(Manifest.path(folder, spec.file)), load_external_data=False)
+        model.graph.output.append(onnx.helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, None))
+        options = session_options(threads)
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self.output, self.manifest = logits, manifest
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """[len(ids), vocab]: the logits after every position of `ids` (one prefill)."""
+        t, m = len(ids), self.manifest.target
+        empty = np.zeros((1, m["num_kv_heads"], 1, m["head_dim"]), np.float32)
+        feeds = {"tokens": np.array([ids], np.int64), "past_mask": np.zeros((1, 1), np.int64),
+                 "logit_index": np.arange(t, dtype=np.int64)[None], "verify_len": np.zeros(1, np.int64),
+                 "temperature": np.zeros(1, np.float32), "accept_noise": np.ones((1, t), np.float32),
+                 "sample_noise": np.ones(1, np.float32),
+                 "draft_probs": np.zeros((1, 1, m["vocab_size"]), np.float32)}
+        feeds.update({f"past.{i}.{kind}": empty for i in range(m["num_layers"]) for kind in ("key", "value")})
+        return self.session.run([self.output], feeds)[0][0]
+
+
+def logits_name(folder: Path) -> str:
+    """The logits tensor of an fp32 bundle's verifier (a verifier quantized from it keeps the name)."""
+    manifest = Manifest.read(folder)
+    graph = onnx.load(str(Manifest.path(folder, manifest.graphs["verifier"].file)), load_external_data=False)
+    return vocab_matmul_output(graph, manifest.target["vocab_size"])
+
+
+def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_new_tokens: int = 32,
+                      prompt_file: Path | None = None, threads: int | None = None) -> Agreement:
+    """Top-1 agreement of quantized/verifier.onnx with reference/verifier.onnx (both bundle folders)."""
+    manifest = Manifest.read(reference)
+    logits = logits_name(reference)
+    rows = spread(read_prompts(prompt_file or default_prompts_path()), prompts)
+    with Runtime(reference, threads=threads) as rt:
+        encoded = [rt.encode(r["prompt"]) for r in rows]
+        room = manifest.max_context - max_new_tokens - 1
+        encoded = [ids[-room:] for ids in encoded]
+        outs = rt.generate(encoded, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar"))
+    graphs = [LogitsGraph(folder, Manifest.read(folder), logits, threads) for folder in (reference, quantized)]
+    agree = total = 0
+    firsts: list[int | None] = []
+    for ids, out in zip(encoded, outs):
+        seq = ids + out.token_ids
+        span = slice(len(ids) - 1, len(seq) - 1)  # positions whose next token is a continuation token
+        want, got = (g.logits(seq)[span].argmax(-1) for g in graphs)
+        same = want == got
+        agree += int(same.sum())
+        total += len(same)
+        firsts.append(int(np.argmin(same)) if not same.all() else None)
+    return Agreement(len(rows), total, agree / max(total, 1), firsts, max_new_tokens)
