@@ -16,6 +16,7 @@ from dspark.schema import Fields, contained, is_int
 FORMAT = "dspark-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+WEIGHTS = "weights.data"  # the weights every graph refers to by offset (ONNX external data), each stored once
 GRAPHS = ("verifier", "draft", "heads")
 
 
@@ -103,7 +104,7 @@ class Manifest:
 
     def own_files(self) -> set[str]:
         """Top-level names this bundle consists of (what `--force` may replace)."""
-        names = {MANIFEST, "check", "engines", "calibration.json", "reliability.png"} | set(TOKENIZER_FILES)
+        names = {MANIFEST, WEIGHTS, "check", "engines", "calibration.json", "reliability.png"} | set(TOKENIZER_FILES)
         for spec in self.graphs.values():
             names |= {spec.file, f"{spec.file}.data"}
         for engine in (self.tensorrt.get("engines") or {}).values():

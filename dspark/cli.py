@@ -13,6 +13,7 @@ import click
 
 from dspark.cli_cache import cache_group
 from dspark.cli_demo import demo_cmd
+from dspark.cli_quantize import quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
 from dspark.serve.commands import serve_cmd, triton_cmd  # click only: the server loads inside the command
@@ -57,10 +58,13 @@ def export_cli():
 @click.option("--draft-vocab", type=click.IntRange(1),
               help="Draft from only this many tokens, the most frequent in the draft's training responses "
                    "(its draft_vocab.json): cheaper heads, still lossless.")
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Stored precision of the weight matrices (the graphs compute in fp32; ONNX Runtime widens "
+                   "them once at load, TensorRT builds run them at this precision).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--no-check", is_flag=True, help="Skip recording reference data for `dspark-export check`.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, force, no_check, quiet):
+def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, precision, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
     from dspark.export.onnx_export import Progress, check_replaceable, export_bundle
 
@@ -69,12 +73,12 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab,
     with progress.step(f"loading target {target} and draft {draft}"):
         from dspark.models.pair import load_pair
 
-        pair = load_pair(target, draft)
+        pair = load_pair(target, draft, lazy=True)
     if block_size is not None and block_size != pair.drafter.cfg.block_size:
         raise DSparkError(f"--block-size {block_size} differs from the draft's block_size "
                           f"{pair.drafter.cfg.block_size} (a DSpark drafter is trained for one block size)")
     export_bundle(pair, output, max_context=max_context, force=force, progress=progress, check_data=not no_check,
-                  draft_vocab=draft_vocab)
+                  draft_vocab=draft_vocab, precision=precision)
     if not quiet:
         click.echo(f"wrote {output}")
 
@@ -109,25 +113,6 @@ def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabil
                    f"{rep['plugin_layers'][name]} plugin layer(s))")
     targets = f", targets {' '.join(rep['targets'])}" if rep["targets"] else f", device {rep['device']}"
     click.echo(f"{rep['flavor']} {rep['tensorrt']}, {precision}{targets}, {rep['plugin']['implementation']} plugin")
-
-
-@export_cli.command("quantize")
-@click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--graph", "graphs", multiple=True, default=("heads",), show_default=True,
-              type=click.Choice(["heads", "draft"]), help="Draft-side graph(s) to quantize (repeatable).")
-@click.option("--bits", default=8, show_default=True, type=int, help="Weight bits (8).")
-@click.option("--block-size", default=32, show_default=True, type=click.IntRange(16, 256),
-              help="Quantization block along the reduction axis.")
-@click.option("--min-elements", default=1 << 20, show_default=True, type=click.IntRange(0),
-              help="Only MatMuls whose weight has at least this many elements.")
-def quantize_cmd(bundle, graphs, bits, block_size, min_elements):
-    """8-bit weight-only MatMulNBits for BUNDLE's draft-side graphs (ONNX Runtime CPU). Decoding stays lossless:
-    verification uses the distribution the quantized heads actually sampled from; the verifier is untouched."""
-    from dspark.export.quantize import quantize_graph
-
-    for g in dict.fromkeys(graphs):
-        rec = quantize_graph(bundle, g, bits=bits, block_size=block_size, min_elements=min_elements)
-        click.echo(f"{g}.onnx: {len(rec['matmuls'])} MatMul(s) -> {rec['op']} {rec['bits']}-bit, block {rec['block_size']}")
 
 
 @export_cli.command("check")
@@ -388,6 +373,7 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
 
 main_cli.add_command(serve_cmd)
 export_cli.add_command(triton_cmd)
+export_cli.add_command(quantize_cmd)
 main_cli.add_command(cache_group)
 main_cli.add_command(demo_cmd)
 

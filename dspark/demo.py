@@ -107,7 +107,7 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
 
         progress = Progress(6)
         with progress.step("loading target and draft"):
-            pair = load_pair(DEMO_TARGET, DEMO_DRAFT)
+            pair = load_pair(DEMO_TARGET, DEMO_DRAFT, lazy=True)
         export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB)
     if plan.managed and heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
         from dspark.export.quantize import quantize_graph

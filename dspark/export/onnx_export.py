@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 import torch
 from tqdm import tqdm
 
@@ -23,15 +24,16 @@ from dspark.errors import DSparkError
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.check import record_check_data
-from dspark.export.passes import fold_weight_transposes, optimize_graph
+from dspark.export.passes import optimize_graph
+from dspark.export.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
+from dspark.export.weights import WeightStore, module_values, traced_on_meta
 from dspark.files import Temporary, replace_folder
 from dspark.models.draft_vocab import read_ranking, shortlist
 from dspark.models.pair import Pair
+from dspark.models.tensors import PRECISIONS, LazyWeights
 from dspark.ops.confidence_truncate.onnx_function import attach_functions
 from dspark.resolve import resolve_draft
 from dspark.tokenizer import ChatTokenizer
-
-EXTERNAL_DATA_BYTES = 64 << 20  # graphs with more weight than this keep it in <graph>.onnx.data
 
 
 class Progress:
@@ -175,21 +177,39 @@ def _spec_of(value, name: str, axes: dict[int, str]) -> TensorSpec:
     return TensorSpec(name=name, dtype=str(np.dtype(str(value.dtype).replace("torch.", ""))), shape=shape)
 
 
-def export_graph(ex: GraphExample, path: Path) -> GraphSpec:
-    """Trace one graph, attach the dspark function bodies, save (with external data when large)."""
+def _on_meta(args):
+    return [_on_meta(a) for a in args] if isinstance(args, (list, tuple)) else args.to("meta")
+
+
+def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None, lazy: LazyWeights | None = None,
+                 precision: str = "fp32") -> GraphSpec:
+    """Trace one graph on the meta device, bind its weights (read when written), attach the dspark function
+    bodies, store the weights in `store` (by default, a data file of this graph's own) and save the graph file."""
+    if store is None:
+        own = WeightStore(path.parent, f"{path.name}.data")
+        try:
+            return export_graph(ex, path, own, lazy, precision)
+        finally:
+            own.close()
     module = ex.module.eval()
+    values = module_values(module, lazy)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with torch.no_grad(), warnings.catch_warnings():
+    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        outs = module(*ex.args)
-        prog = torch.onnx.export(module, ex.args, dynamo=True, input_names=list(ex.names),
+        args = tuple(_on_meta(a) for a in ex.args)
+        outs = module(*args)
+        prog = torch.onnx.export(module, args, dynamo=True, input_names=list(ex.names),
                                  output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
                                  verbose=False, report=False)
-    attach_functions(prog.model)
-    fold_weight_transposes(prog.model)
-    optimize_graph(prog.model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    prog.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+    model = prog.model
+    bind_weights(model, values)
+    attach_functions(model)
+    embeddings = frozenset(identity for name, (identity, _) in values.items() if name.endswith("embed_tokens.weight"))
+    fold_transposes_lazily(model, keep=embeddings)
+    optimize_graph(model)
+    store_low_precision(model, precision)
+    place_weights(model, store)
+    ir.save(model, str(path))
     out_axes = _output_axes(ex)
     return GraphSpec(
         file=path.name,
@@ -226,7 +246,8 @@ def _source(path: Path, name: str) -> dict:
     return {"name": name, "folder": str(path), "sha256": files}
 
 
-def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...]) -> Manifest:
+def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...],
+                   precision: str = "fp32") -> Manifest:
     t, c = pair.target.cfg, pair.drafter.cfg
     sources = {"target": _source(pair.loaded.source_file, pair.loaded.source)}
     if pair.draft_source.startswith("random"):
@@ -248,19 +269,22 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
         graphs=specs,
         sources=sources,
         calibration={"sts_temperatures": list(c.sts_temperatures), "sps_table": None},
-        precision="fp32",
+        precision=precision,
         tools=_tool_versions(),
     )
 
 
 def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool = False,
                   quiet: bool = False, progress: Progress | None = None, check_data: bool = True,
-                  draft_vocab: int | None = None, ranking: list[int] | None = None) -> Path:
+                  draft_vocab: int | None = None, ranking: list[int] | None = None, precision: str = "fp32") -> Path:
     """Write the bundle into a temporary folder beside `output`, then move it into place.
 
     With check_data, the bundle also gets check/ (real graph inputs with the PyTorch outputs on them and reference
     greedy tokens) for `dspark-export check`. With draft_vocab, the heads draft from that many tokens: the stop
-    tokens, then `ranking` (default: the draft checkpoint's draft_vocab.json), then by id."""
+    tokens, then `ranking` (default: the draft checkpoint's draft_vocab.json), then by id. `precision` is the
+    stored precision of weight matrices (the graphs compute in fp32)."""
+    if precision not in PRECISIONS:
+        raise DSparkError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     output = Path(output)
     check_replaceable(output, force)
     progress = progress or Progress(6 if check_data else 5, quiet)
@@ -274,13 +298,19 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         if draft_vocab is not None:
             pair.drafter.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
         specs = {}
-        for name, example in (("verifier", verifier_example), ("draft", draft_example), ("heads", heads_example)):
-            with progress.step(f"exporting {name}.onnx"):
-                specs[name] = export_graph(example(pair), tmp / f"{name}.onnx")
+        store = WeightStore(tmp)
+        try:
+            for name, example in (("verifier", verifier_example), ("draft", draft_example),
+                                  ("heads", heads_example)):
+                with progress.step(f"exporting {name}.onnx"):
+                    specs[name] = export_graph(example(pair), tmp / f"{name}.onnx", store,
+                                               getattr(pair.loaded, "lazy", None), precision)
+        finally:
+            store.close()
         with progress.step("writing manifest"):
             for spec in specs.values():
                 spec.sha256 = sha256_file(tmp / spec.file)
-            manifest = build_manifest(pair, specs, max_context, stop_ids)
+            manifest = build_manifest(pair, specs, max_context, stop_ids, precision)
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             (tmp / MANIFEST).write_text(manifest.to_json())
         if check_data:

@@ -7,43 +7,26 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 
-def fold_weight_transposes(model: ir.Model) -> int:
-    """Replace Transpose(initializer) by a transposed initializer, so MatMuls read weights directly.
-
-    torch.onnx writes nn.Linear as MatMul(x, Transpose(W)); ONNX Runtime then transposes every weight at load,
-    and weight-only quantizers, which look for MatMul with a constant B, skip them. Returns the count folded.
-    """
-    graph = model.graph
-    folded = 0
-    for node in list(graph):
-        if node.op_type != "Transpose" or node.domain != "":
-            continue
-        src = node.inputs[0]
-        if src is None or not src.is_initializer() or src.const_value is None:
-            continue
-        if len(src.uses()) != 1:
-            continue
-        perm_attr = node.attributes.get("perm")
-        array = src.const_value.numpy()
-        perm = list(perm_attr.as_ints()) if perm_attr is not None else list(reversed(range(array.ndim)))
-        out = node.outputs[0]
-        new = ir.Value(name=f"{src.name}.T", shape=ir.Shape([array.shape[p] for p in perm]), type=src.type,
-                       const_value=ir.tensor(np.ascontiguousarray(array.transpose(perm)), name=f"{src.name}.T"))
-        graph.register_initializer(new)
-        ir.convenience.replace_all_uses_with(out, new)
-        graph.remove(node, safe=True)
-        del graph.initializers[src.name]
-        folded += 1
-    return folded
+FOLD_INPUT_ELEMENTS = 1 << 16
 
 
 def optimize_graph(model: ir.Model) -> None:
     """Constant folding and clean-up (onnxscript's optimizer) without inlining, so dspark functions stay calls.
 
-    Runs after fold_weight_transposes, so no large initializer needs folding: the size limits keep it fast.
+    Runs after the weight passes, so no large initializer needs folding: the size limits keep it fast. A large
+    Transpose(initializer) still there was kept on purpose (a tied vocabulary matrix, stored once in its gathered
+    layout), so the optimizer's rule of always folding a weight's only Transpose is turned off for those.
     This turns CastLike of constants and computed axes into initializers, which the TensorRT parser requires."""
 
-    onnxscript.optimizer.optimize(model, inline=False, input_size_limit=1 << 16, output_size_limit=1 << 20)
+    def should_fold(node: ir.Node) -> bool | None:
+        if node.op_type == "Transpose" and node.domain == "":
+            src = node.inputs[0]
+            if src is not None and src.const_value is not None and src.const_value.size > FOLD_INPUT_ELEMENTS:
+                return False
+        return None
+
+    onnxscript.optimizer.optimize_ir(model, inline=False, input_size_limit=FOLD_INPUT_ELEMENTS,
+                                     output_size_limit=1 << 20, should_fold=should_fold)
 
 
 def cast_matmuls(model: ir.Model, dtype: str) -> int:
@@ -60,13 +43,18 @@ def cast_matmuls(model: ir.Model, dtype: str) -> int:
         if node.op_type not in ("MatMul", "Gemm") or node.domain != "":
             continue
         weight = node.inputs[1]
-        if weight is None or not weight.is_initializer() or weight.const_value is None:
+        stored = _stored_at(weight, elem)
+        if stored is not None:  # a bundle that stores this weight at `dtype` already: use it as it is
+            low, weight = stored, None
+        elif weight is None or not weight.is_initializer() or weight.const_value is None:
             continue
-        if weight.const_value.dtype != ir.DataType.FLOAT or len(weight.uses()) != 1:
+        elif weight.const_value.dtype != ir.DataType.FLOAT or len(weight.uses()) != 1:
             continue
-        low = ir.Value(name=f"{weight.name}.{dtype}", shape=weight.shape, type=ir.TensorType(elem),
-                       const_value=ir.tensor(weight.const_value.numpy().astype(np_type), name=f"{weight.name}.{dtype}"))
-        graph.register_initializer(low)
+        else:
+            low = ir.Value(name=f"{weight.name}.{dtype}", shape=weight.shape, type=ir.TensorType(elem),
+                           const_value=ir.tensor(weight.const_value.numpy().astype(np_type),
+                                                 name=f"{weight.name}.{dtype}"))
+            graph.register_initializer(low)
         cast_in = ir.node("Cast", [node.inputs[0]], attributes={"to": elem})
         graph.insert_before(node, cast_in)
         node.replace_input_with(0, cast_in.outputs[0])
@@ -87,6 +75,26 @@ def cast_matmuls(model: ir.Model, dtype: str) -> int:
                 user.replace_input_with(idx, cast_out.outputs[0])
         if out in graph.outputs:
             graph.outputs[graph.outputs.index(out)] = cast_out.outputs[0]
-        del graph.initializers[weight.name]
+        if weight is not None:
+            del graph.initializers[weight.name]
+        else:
+            _drop_unused_casts(graph)
         converted += 1
     return converted
+
+
+def _drop_unused_casts(graph: ir.Graph) -> None:
+    for cast in [n for n in graph if n.op_type == "Cast" and not n.outputs[0].uses()
+                 and n.outputs[0] not in graph.outputs]:
+        graph.remove(cast, safe=True)
+
+
+def _stored_at(weight: ir.Value | None, elem: ir.DataType) -> ir.Value | None:
+    """The `elem` initializer behind weight = Cast(initializer, to=float) (a fp16/bf16 bundle), else None."""
+    cast = weight.producer() if weight is not None else None
+    if cast is None or cast.op_type != "Cast" or cast.domain != "":
+        return None
+    src = cast.inputs[0]
+    if src is None or not src.is_initializer() or src.dtype != elem:
+        return None
+    return src

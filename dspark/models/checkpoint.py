@@ -14,8 +14,8 @@ from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.tensors import read_shard_index
 from dspark.resolve import resolve_draft
-from dspark.schema import Fields, contained
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 
@@ -52,22 +52,6 @@ def _read_file(path: Path, names: set[str] | None = None) -> dict[str, torch.Ten
             return {k: f.get_tensor(k) for k in (keys if names is None else names)}
     except (SafetensorError, OSError, ValueError) as e:
         raise DSparkError(f"draft weights {path} are corrupt or not safetensors ({str(e).splitlines()[0]})") from None
-
-
-def read_shard_index(folder: Path) -> dict[str, set[str]]:
-    """shard file -> tensor names, from model.safetensors.index.json, every shard a .safetensors file inside the
-    checkpoint folder (DSparkError otherwise)."""
-    index = folder / WEIGHTS_INDEX
-    weight_map = Fields(read_json(index, f"draft index {index}"), f"draft index {index}").obj("weight_map").raw
-    if not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise DSparkError(f"draft index {index}: weight_map must map tensor names to shard files")
-    shards: dict[str, set[str]] = {}
-    for name, shard in weight_map.items():
-        path = contained(folder, shard, "draft checkpoint")
-        if not shard.endswith(".safetensors") or not path.is_file():
-            raise DSparkError(f"draft index {index} lists shard {shard!r}, which is not a .safetensors file there")
-        shards.setdefault(shard, set()).add(name)
-    return shards
 
 
 def _read_shards(folder: Path, index: Path) -> dict[str, torch.Tensor]:

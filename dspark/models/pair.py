@@ -10,6 +10,7 @@ from dspark.errors import DSparkError
 from dspark.models.checkpoint import check_draft_folder, load_draft
 from dspark.models.config import draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
+from dspark.models.tensors import TORCH, stored_low
 from dspark.models.target import LoadedTarget, TargetModel, load_target
 
 RANDOM = "random"
@@ -21,6 +22,31 @@ class Pair:
     target: TargetModel
     drafter: DSparkDrafter
     draft_source: str
+
+    def realize(self, precision: str = "fp32") -> None:
+        """Read every weight still on the meta device from its checkpoint (fp32 compute), and round the weights a
+        `precision` bundle stores lower (models.tensors.stored_low) to that precision: the modules then compute
+        what the bundle computes, which is what `dspark-export check` compares against. Tied weights stay tied."""
+        lazy = getattr(self.loaded, "lazy", None)
+        done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old, new); old kept so ids stay unique
+        for module in (self.target, self.drafter):
+            for m in module.modules():
+                for table in (m._parameters, m._buffers):
+                    for key, t in table.items():
+                        if t is None:
+                            continue
+                        if id(t) not in done:
+                            done[id(t)] = (t, _realized(t, lazy, precision))
+                        table[key] = done[id(t)][1]
+
+
+def _realized(t: torch.Tensor, lazy, precision: str) -> torch.Tensor:
+    data = lazy.read(t).to(torch.float32) if t.is_meta else t.data
+    if precision != "fp32" and data.is_floating_point() and stored_low(data):
+        data = data.to(TORCH[precision]).to(torch.float32)
+    if data is t.data:
+        return t
+    return torch.nn.Parameter(data, requires_grad=False) if isinstance(t, torch.nn.Parameter) else data
 
 
 def choose_mask_token(loaded: LoadedTarget) -> int:
@@ -63,13 +89,15 @@ def random_seed(draft: str, default: int) -> int:
     return int(text)
 
 
-def load_pair(target: str, draft: str, seed: int = 0) -> Pair:
-    """`draft` is a checkpoint folder, a short name, or 'random' / 'random:SEED' (an untrained drafter)."""
+def load_pair(target: str, draft: str, seed: int = 0, lazy: bool = False) -> Pair:
+    """`draft` is a checkpoint folder, a short name, or 'random' / 'random:SEED' (an untrained drafter). With
+    lazy, the target's weights stay in its checkpoint until read (the export streams them; Pair.realize loads
+    them); the drafter's own weights are always loaded."""
     if draft == RANDOM or draft.startswith(RANDOM + ":"):
         seed = random_seed(draft, seed)
     else:
         check_draft_folder(draft)  # refuse a bad draft before the (slow) target load
-    loaded = load_target(target)
+    loaded = load_target(target, lazy=lazy)
     if draft == RANDOM or draft.startswith(RANDOM + ":"):
         drafter = random_drafter(loaded, seed)
     else:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dspark.bundle import sha256_file
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
+from dspark.models.tensors import CheckpointTensors, LazyWeights
 from dspark.models.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.resolve import cache_dir, resolve_target
 
@@ -134,6 +135,7 @@ class LoadedTarget:
     folder: Path  # an HF folder holding config.json and the tokenizer files
     source: str  # what the user asked for (name or path)
     source_file: Path  # the file or folder it resolved to
+    lazy: LazyWeights | None = None  # set when hf_model was built on the meta device: where its weights are
 
     def wrapper(self, tap_ids: tuple[int, ...] = ()) -> TargetModel:
         return TargetModel(self.hf_model, tap_ids).eval()
@@ -184,7 +186,26 @@ def _convert_gguf(gguf: Path) -> Path:
     return folder
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeights]:
+    """The model's modules on the meta device and, per parameter, its tensor in the checkpoint (read later,
+    one at a time: the export never holds the whole target)."""
+    tensors = CheckpointTensors(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    except Exception as e:
+        raise DSparkError(f"cannot build the target from {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
+    keys = {}
+    for name, param in hf.named_parameters():  # a tied LM head is listed once, under the embedding's name
+        if name not in tensors:
+            raise DSparkError(f"target checkpoint {folder} has no tensor {name}")
+        keys[id(param)] = name
+    return hf.eval(), LazyWeights(tensors, keys)
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:
+    """With lazy, the weights stay in the checkpoint (meta-device modules + LazyWeights) until someone reads them."""
     path = resolve_target(name_or_path)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -195,6 +216,10 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32) -> Loaded
         if not (folder / "config.json").exists():
             raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
     config = TargetConfig.from_dict(read_json(folder / "config.json", f"target config {folder / 'config.json'}"))
+    if lazy:
+        hf, weights = _lazy_model(folder, dtype)
+        return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path,
+                            lazy=weights)
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     except Exception as e:

@@ -16,6 +16,9 @@ def confidence_truncate(survival: torch.Tensor, threshold: torch.Tensor, sps: to
             f"{DOMAIN}::{OP_NAME}", (survival, threshold, sps, budget, active, mode, layout), {},
             dtypes=(torch.int64, torch.bool), shapes=(survival.shape[:1], survival.shape), version=OP_VERSION)
         return verify_len, verify_mask
+    if survival.is_meta:  # shapes only (the export's output specs): no data to decide from
+        return (torch.empty(survival.shape[:1], dtype=torch.int64, device="meta"),
+                torch.empty(survival.shape, dtype=torch.bool, device="meta"))
     lengths, mask = reference.confidence_truncate(
         survival.detach().float().cpu().numpy(), threshold.cpu().numpy(), sps.cpu().numpy(), budget.cpu().numpy(),
         active.cpu().numpy(), int(mode.reshape(-1)[0]), int(layout.reshape(-1)[0]))

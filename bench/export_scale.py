@@ -1,0 +1,249 @@
+"""Export cost against model size: random weights with the real Qwen3 shapes, a DeepSpec-shaped drafter.
+
+For each size it writes a random target (bf16, sharded safetensors + index, real config) and a random drafter of
+the released shape (5 layers at the target's width, block 7, Markov rank 256) as a DeepSpec checkpoint, then runs
+`dspark-export onnx` in a child process under /usr/bin/time (wall time, peak RSS), and loads the bundle in a
+second child: runtime peak RSS, one autoregressive step's time, and greedy DSpark against AR on a few prompts.
+
+    python bench/export_scale.py --sizes 0.6b,1.7b,4b --precision bf16 --work /tmp/scale
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, machine, write_json
+
+QWEN3 = {  # hidden, layers, intermediate, heads, kv heads, tied embeddings (Qwen3 configs on the Hub)
+    "0.6b": (1024, 28, 3072, 16, 8, True),
+    "1.7b": (2048, 28, 6144, 16, 8, True),
+    "4b": (2560, 36, 9728, 32, 8, True),
+    "8b": (4096, 36, 12288, 32, 8, False),
+}
+VOCAB = 151936
+SHARD_BYTES = 2 << 30
+
+
+def taps(layers: int) -> list[int]:
+    """DeepSpec's released drafters tap five layers spread over the target ([1, 9, 17, 25, 33] for 36)."""
+    step = (layers - 4) // 4
+    return [1 + i * step for i in range(5)]
+
+
+def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hidden, layers, inter, heads, kv, tied = QWEN3[size]
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=128, tie_word_embeddings=tied,
+                         max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    shard, shard_bytes, weight_map, params, n = {}, 0, {}, 0, 0
+
+    def flush():
+        nonlocal shard, shard_bytes, n
+        n += 1
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        params += t.numel()
+        shard[name] = t
+        shard_bytes += t.numel() * 2
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    total = n
+    renamed = {}
+    for i in range(1, total + 1):
+        old, new = folder / f"model-{i:05d}.safetensors", folder / f"model-{i:05d}-of-{total:05d}.safetensors"
+        old.rename(new)
+        renamed[old.name] = new.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": params * 2}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}))
+    config.save_pretrained(folder)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copyfile(f, folder / f.name)
+    return params
+
+
+def write_drafter(target: Path, folder: Path) -> int:
+    import torch
+
+    from dspark.models.checkpoint import save_draft
+    from dspark.models.config import TargetConfig, draft_config_for
+    from dspark.models.drafter import DSparkDrafter, init_weights
+    from dspark.models.pair import choose_mask_token
+    from dspark.models.target import load_target
+
+    loaded = load_target(str(target), lazy=True)
+    cfg = draft_config_for(TargetConfig.from_dict(json.loads((target / "config.json").read_text())),
+                           mask_token_id=choose_mask_token(loaded), num_layers=5, block_size=7,
+                           target_layer_ids=tuple(taps(loaded.config.num_layers)), markov_rank=256)
+    tensors = loaded.lazy.tensors
+    embed = torch.nn.Embedding.from_pretrained(tensors.read("model.embed_tokens.weight").float())
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    head.weight = embed.weight if "lm_head.weight" not in tensors else torch.nn.Parameter(
+        tensors.read("lm_head.weight").float())
+    drafter = DSparkDrafter(cfg, embed_tokens=embed, lm_head=head)
+    torch.manual_seed(1)
+    init_weights(drafter)
+    save_draft(drafter, folder, include_shared=True)  # as DeepSpec writes it (Edge-LLM reads it too)
+    return sum(t.numel() for t in drafter.trainable_state_dict().values())
+
+
+def timed(cmd: list[str], log: Path) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    log.write_text(proc.stdout + proc.stderr)
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    return {"returncode": proc.returncode, "wall_s": round(wall, 1),
+            "peak_rss_gb": round(int(rss.group(1)) / 2**20, 3) if rss else None,
+            "tail": (proc.stdout + proc.stderr).strip().splitlines()[-3:] if proc.returncode else []}
+
+
+RUN_CHILD = r"""
+import json, resource, sys, time
+from dspark.runtime import DecodeOptions, Runtime
+bundle, prompts = sys.argv[1], json.loads(sys.argv[2])
+t0 = time.perf_counter(); rt = Runtime(bundle); load = time.perf_counter() - t0
+rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+ids = [rt.encode(p) for p in prompts]
+def timed(n):
+    t = time.perf_counter(); rt.generate([ids[0]], DecodeOptions(max_new_tokens=n, policy="ar")); return time.perf_counter() - t
+timed(2)
+one, nine = sorted(timed(1) for _ in range(3))[1], sorted(timed(9) for _ in range(3))[1]
+same = []
+for p in ids:
+    ar = rt.generate([p], DecodeOptions(max_new_tokens=16, policy="ar"))[0].token_ids
+    ds = rt.generate([p], DecodeOptions(max_new_tokens=16, policy="all"))[0].token_ids
+    same.append(ar == ds)
+print(json.dumps({"load_s": round(load, 1), "rss_loaded_gb": round(rss_loaded, 3),
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                  "ar_step_s": round((nine - one) / 8, 4), "greedy_dspark_equals_ar": same}))
+"""
+
+
+def runtime_figures(bundle: Path, prompts: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RUN_CHILD, str(bundle), json.dumps(prompts)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one_size(size: str, args, tokenizer_from: Path) -> dict:
+    work = Path(args.work) / size
+    shutil.rmtree(work, ignore_errors=True)
+    t0 = time.perf_counter()
+    params = write_target(size, work / "target", tokenizer_from)
+    draft_params = write_drafter(work / "target", work / "draft")
+    row = {"size": size, "target_params": params, "draft_own_params": draft_params,
+           "make_checkpoints_s": round(time.perf_counter() - t0, 1)}
+    bundle = work / "bundle"
+    cmd = [str(Path(sys.executable).with_name("dspark-export")), "onnx", "--target", str(work / "target"),
+           "--draft", str(work / "draft"), "-o", str(bundle), "--precision", args.precision, "-q"]
+    row["export"] = timed(cmd, work / "export.log")
+    if row["export"]["returncode"] == 0:
+        files = {p.name: p.stat().st_size for p in bundle.iterdir() if p.is_file()}
+        row["bundle_bytes"] = sum(files.values())
+        row["weights_bytes"] = files.get("weights.data", 0)
+        row["rss_over_weights"] = round(row["export"]["peak_rss_gb"] * 2**30 / max(1, row["weights_bytes"]), 2)
+        row["check"] = timed([str(Path(sys.executable).with_name("dspark-export")), "check", str(bundle)],
+                             work / "check.log")
+        row["runtime"] = runtime_figures(bundle, args.prompts)
+    if args.edgellm:
+        row["edgellm"] = edgellm_export(Path(args.edgellm), work)
+    print(json.dumps(row), flush=True)
+    if not args.keep:
+        shutil.rmtree(work / "target", ignore_errors=True)
+    return row
+
+
+def edgellm_export(exporter: Path, work: Path) -> dict:
+    """NVIDIA TensorRT Edge-LLM's exporter on the same pair: the DSpark base graph, then the draft graph with its
+    Markov/confidence sidecars (two runs; times add up, the peak is the larger)."""
+    out = work / "edgellm"
+    base = timed([str(exporter), str(work / "target"), str(out / "base"), "--dspark-base"], work / "edgellm_base.log")
+    draft = timed([str(exporter), str(work / "target"), str(out / "draft"), "--dspark-draft", "--dspark-draft-dir",
+                   str(work / "draft")], work / "edgellm_draft.log")
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
+    result = {"base": base, "draft": draft, "wall_s": round(base["wall_s"] + draft["wall_s"], 1),
+              "peak_rss_gb": max(base["peak_rss_gb"] or 0, draft["peak_rss_gb"] or 0), "output_bytes": size}
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("bundle_bytes")]
+    x = [r["target_params"] / 1e9 for r in ok]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].plot(x, [r["export"]["wall_s"] for r in ok], "o-", label="dspark-export onnx (+ check data)")
+    if any("edgellm" in r for r in ok):
+        edge = [r for r in ok if "edgellm" in r]
+        axes[0].plot([r["target_params"] / 1e9 for r in edge], [r["edgellm"]["wall_s"] for r in edge], "s--",
+                     label="TensorRT Edge-LLM exporter")
+        axes[1].plot([r["target_params"] / 1e9 for r in edge], [r["edgellm"]["peak_rss_gb"] for r in edge], "s:",
+                     label="Edge-LLM export peak RSS")
+    axes[0].legend()
+    axes[0].set(xlabel="target parameters (B)", ylabel="export wall time (s)")
+    axes[1].plot(x, [r["export"]["peak_rss_gb"] for r in ok], "o-", label="export peak RSS")
+    axes[1].plot(x, [r["weights_bytes"] / 2**30 for r in ok], "s--", label="bundle weights")
+    axes[1].plot(x, [r["runtime"].get("peak_rss_gb", float("nan")) for r in ok], "^-", label="runtime peak RSS")
+    axes[1].set(xlabel="target parameters (B)", ylabel="GiB")
+    axes[1].legend()
+    axes[2].plot(x, [r["runtime"].get("ar_step_s", float("nan")) for r in ok], "o-")
+    axes[2].set(xlabel="target parameters (B)", ylabel="one AR step, ONNX Runtime CPU (s)")
+    fig.suptitle("dspark-export on random Qwen3-shaped pairs (2-core VM)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="0.6b,1.7b,4b")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--work", default="/tmp/dspark-export-scale")
+    ap.add_argument("--keep", action="store_true", help="keep the random targets")
+    ap.add_argument("--edgellm", help="path of tensorrt-edgellm-export: run it on the same pairs for comparison")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/export_scale.json"))
+    ap.add_argument("--prompts", nargs="*", default=["What is 12 times 7?", "Name three primes.",
+                                                        "Write one sentence about rivers."])
+    args = ap.parse_args()
+    from dspark.models.target import load_target
+
+    tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
+    rows = [one_size(s, args, tokenizer_from) for s in args.sizes.split(",")]
+    out = write_json(args.out, {"machine": machine(), "precision": args.precision, "vocab": VOCAB, "rows": rows})
+    plot(rows, out.with_suffix(".png"))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

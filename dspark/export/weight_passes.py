@@ -1,0 +1,131 @@
+"""Graph passes over a graph traced on the meta device: bind its weights, fold transposes and store precision
+lazily, then place every large weight in the bundle's shared data file.
+
+Every initializer carries its origin in `value.meta[ORIGIN]`: the identity of the weight it is made of plus the
+transforms applied (transpose, precision), so the same bytes wanted by two graphs are written once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from dspark.errors import DSparkError
+from dspark.export.weights import INLINE_BYTES, IR, NUMPY, WeightStore, to_numpy
+from dspark.models.tensors import stored_low
+
+ORIGIN = "dspark.origin"
+
+
+def _lazy(value: ir.Value, make: Callable[[], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
+    return ir.LazyTensor(lambda: ir.tensor(make(), name=value.name), dtype, ir.Shape(shape), name=value.name)
+
+
+def _reader(value: ir.Value) -> Callable[[], np.ndarray]:
+    tensor = value.const_value
+    return tensor.numpy
+
+
+def bind_weights(model: ir.Model, values: dict[str, tuple[object, Callable[[], torch.Tensor]]]) -> None:
+    """Give each initializer of a meta-traced graph the tensor it stands for (read only when written)."""
+    for name, value in model.graph.initializers.items():
+        if name not in values:
+            raise DSparkError(f"exported graph has an initializer {name!r} that is no weight of the model")
+        identity, read = values[name]
+        shape = [int(d) for d in value.shape]
+        value.meta[ORIGIN] = (identity,)
+        widen = value.dtype == ir.DataType.FLOAT  # a bf16 checkpoint read for a graph traced in fp32
+        value.const_value = _lazy(value, lambda r=read, w=widen: to_numpy(r().float() if w else r()), value.dtype,
+                                  shape)
+
+
+def fold_transposes_lazily(model: ir.Model, keep: frozenset = frozenset()) -> int:
+    """Transpose(initializer) -> a transposed initializer, computed when written: torch.onnx writes
+    nn.Linear as MatMul(x, Transpose(W)), which ONNX Runtime would transpose at every load and weight-only quantizers
+    (which look for MatMul with a constant B) would skip. Weights whose identity is in `keep` keep their layout: a tied vocabulary matrix is gathered as
+    [V, d] by the embeddings, so its LM-head use stays Transpose(W) and the bundle stores the matrix once."""
+    graph = model.graph
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain != "":
+            continue
+        src = node.inputs[0]
+        if src is None or not src.is_initializer() or src.const_value is None or len(src.uses()) != 1:
+            continue
+        if src.meta.get(ORIGIN, (None,))[0] in keep:
+            continue
+        perm_attr = node.attributes.get("perm")
+        rank = len(src.shape)
+        perm = list(perm_attr.as_ints()) if perm_attr is not None else list(reversed(range(rank)))
+        shape = [int(src.shape[p]) for p in perm]
+        read = _reader(src)
+        new = ir.Value(name=f"{src.name}.T", shape=ir.Shape(shape), type=src.type)
+        new.const_value = _lazy(new, lambda r=read, p=perm: np.ascontiguousarray(r().transpose(p)), src.dtype, shape)
+        new.meta[ORIGIN] = src.meta.get(ORIGIN, (src.name,)) + (("T", tuple(perm)),)
+        graph.register_initializer(new)
+        ir.convenience.replace_all_uses_with(node.outputs[0], new)
+        graph.remove(node, safe=True)
+        del graph.initializers[src.name]
+        folded += 1
+    return folded
+
+
+def store_low_precision(model: ir.Model, precision: str) -> int:
+    """Store weight matrices as fp16/bf16 with a Cast to fp32 where they are used: after a Gather (an embedding
+    lookup: only the gathered rows are widened) or right after the weight (ONNX Runtime folds that Cast once, at
+    session creation). The graph still computes in fp32. Returns the number of weights converted."""
+    if precision == "fp32":
+        return 0
+    graph = model.graph
+    converted = 0
+    for name, value in list(graph.initializers.items()):
+        if value.dtype != ir.DataType.FLOAT or not stored_low(value.shape) or not value.uses():
+            continue
+        shape = [int(d) for d in value.shape]
+        read = _reader(value)
+        low = ir.Value(name=f"{name}.{precision}", shape=value.shape, type=ir.TensorType(IR[precision]))
+        low.const_value = _lazy(low, lambda r=read: r().astype(NUMPY[precision]), IR[precision], shape)
+        low.meta[ORIGIN] = value.meta.get(ORIGIN, (name,)) + ((precision,),)
+        graph.register_initializer(low)
+        widened = None
+        for user, idx in list(value.uses()):
+            if user.op_type == "Gather" and user.domain == "" and idx == 0:
+                out = user.outputs[0]
+                cast = ir.node("Cast", [out], attributes={"to": ir.DataType.FLOAT})
+                cast.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+                cast.outputs[0].shape = out.shape
+                for later, j in list(out.uses()):
+                    if later is not cast:
+                        later.replace_input_with(j, cast.outputs[0])
+                if out in graph.outputs:
+                    graph.outputs[graph.outputs.index(out)] = cast.outputs[0]
+                user.replace_input_with(0, low)
+                out.type = ir.TensorType(IR[precision])
+                graph.insert_after(user, cast)
+                continue
+            if widened is None:
+                cast = ir.node("Cast", [low], attributes={"to": ir.DataType.FLOAT})
+                cast.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+                cast.outputs[0].shape = value.shape
+                graph.insert_before(graph[0], cast)
+                widened = cast.outputs[0]
+            user.replace_input_with(idx, widened)
+        del graph.initializers[name]
+        converted += 1
+    return converted
+
+
+def place_weights(model: ir.Model, store: WeightStore) -> None:
+    """Write every initializer of INLINE_BYTES or more into the store (deduplicated by origin) and make the graph
+    refer to it there; smaller ones are materialized inside the graph file."""
+    for name, value in list(model.graph.initializers.items()):
+        tensor = value.const_value
+        shape = [int(d) for d in value.shape]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * tensor.dtype.itemsize
+        if nbytes < INLINE_BYTES:
+            value.const_value = ir.tensor(tensor.numpy(), name=name)
+            continue
+        key = value.meta.get(ORIGIN, (name,)) + ((str(tensor.dtype),),)
+        value.const_value = store.place(key, tensor.numpy, tensor.dtype, shape, name)

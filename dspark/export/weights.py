@@ -1,0 +1,102 @@
+"""Where an exported graph's weights come from, and how they reach the bundle one tensor at a time.
+
+Bounded-memory export: the graphs are traced on the meta device (shapes only), so tracing never holds weights.
+Each initializer is then bound to what it is made of (a tensor in a safetensors checkpoint, read through mmap, or
+an in-memory tensor) and written into the bundle's single `weights.data` by `WeightStore`, which reads, converts
+and writes one tensor, then lets it go. A tensor several graphs use (the vocabulary matrix: the verifier's and
+the draft's embedding, the verifier's and the heads' LM head) is written once; every graph refers to it by offset.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from dspark.bundle import WEIGHTS
+from dspark.errors import DSparkError
+from dspark.models.tensors import LazyWeights
+
+WEIGHTS_FILE = WEIGHTS
+ALIGN = 1 << 16  # ONNX Runtime maps external data that starts on an allocation-granularity boundary
+INLINE_BYTES = 1 << 12  # smaller tensors stay inside the graph file
+NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+IR = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def module_values(module: torch.nn.Module, lazy: LazyWeights | None) -> dict[str, tuple[object, Callable[[], torch.Tensor]]]:
+    """fully qualified name -> (identity, reader) for every parameter and buffer of `module`: in-memory tensors
+    are read as they are, meta ones from the checkpoint. The identity names the same weight in every graph."""
+    out = {}
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        if t.is_meta:
+            if lazy is None or id(t) not in lazy.keys:
+                raise DSparkError(f"no weights for {name}: it was never loaded")
+            key = lazy.keys[id(t)]
+            out[name] = (("checkpoint", key), lambda p=t: lazy.read(p))
+        else:
+            out[name] = (("memory", id(t)), lambda v=t.detach(): v)
+    return out
+
+
+@contextmanager
+def traced_on_meta(module: torch.nn.Module) -> Iterator[None]:
+    """Move `module` to the meta device for tracing and put its own parameter and buffer objects back afterwards
+    (`.to("meta")` replaces them with new ones), so identities, ties and data are kept."""
+    saved = [(table, key, t) for m in module.modules() for table in (m._parameters, m._buffers)
+             for key, t in table.items() if t is not None]
+    module.to("meta")
+    try:
+        yield
+    finally:
+        for table, key, t in saved:
+            table[key] = t
+
+
+class WeightStore:
+    """Appends tensors to one external data file, aligned, each distinct (identity, layout, dtype) once."""
+
+    def __init__(self, folder: Path, name: str = WEIGHTS_FILE):
+        self.folder, self.name = Path(folder), name
+        self.path = self.folder / name
+        self.file = open(self.path, "wb")
+        self.offset = 0
+        self.placed: dict[tuple, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        self.file.close()
+
+    def place(self, key: tuple, array: Callable[[], np.ndarray], dtype: ir.DataType, shape: list[int],
+              name: str) -> ir.ExternalTensor:
+        if key not in self.placed:
+            data = np.ascontiguousarray(array())
+            pad = -self.offset % ALIGN
+            self.file.write(b"\0" * pad)
+            self.offset += pad
+            self.file.write(memoryview(data.reshape(-1).view(np.uint8)))
+            self.placed[key] = (self.offset, data.nbytes)
+            self.offset += data.nbytes
+            del data
+        offset, length = self.placed[key]
+        return ir.ExternalTensor(self.name, offset, length, dtype, shape=ir.Shape(shape), name=name,
+                                 base_dir=str(self.folder))
+
+    @property
+    def bytes_written(self) -> int:
+        return self.offset
+
+
+def file_size(path: Path) -> int:
+    return os.stat(path).st_size

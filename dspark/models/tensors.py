@@ -1,0 +1,88 @@
+"""Checkpoint tensors read one at a time (safetensors through mmap, single file or validated shards), and the
+rule for which weights a fp16/bf16 bundle stores at that precision."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from dspark.errors import DSparkError
+from dspark.files import read_json
+from dspark.schema import Fields, contained
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def read_shard_index(folder: Path, what: str = "draft") -> dict[str, set[str]]:
+    """shard file -> tensor names, from model.safetensors.index.json, every shard a .safetensors file inside the
+    checkpoint folder (DSparkError otherwise)."""
+    index = folder / "model.safetensors.index.json"
+    weight_map = Fields(read_json(index, f"{what} index {index}"), f"{what} index {index}").obj("weight_map").raw
+    if not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise DSparkError(f"{what} index {index}: weight_map must map tensor names to shard files")
+    shards: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        path = contained(folder, shard, f"{what} checkpoint")
+        if not shard.endswith(".safetensors") or not path.is_file():
+            raise DSparkError(f"{what} index {index} lists shard {shard!r}, which is not a .safetensors file there")
+        shards.setdefault(shard, set()).add(name)
+    return shards
+
+
+def stored_low(tensor_or_shape) -> bool:
+    """Weights a fp16/bf16 bundle stores at that precision: matrices (linear layers, embeddings). Norm weights,
+    biases and buffers stay fp32; the PyTorch reference of `dspark-export check` rounds exactly the same set."""
+    shape = getattr(tensor_or_shape, "shape", tensor_or_shape)
+    return len(shape) >= 2
+
+
+class CheckpointTensors:
+    """The tensors of a safetensors checkpoint folder (model.safetensors, or the shards its
+    model.safetensors.index.json lists, checked against the files), read one at a time through mmap."""
+
+    def __init__(self, folder: Path, what: str = "target"):
+        self.folder, self.what = Path(folder), what
+        self.files: dict[str, Path] = {}
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if single.exists():
+            self._scan(single, None)
+        elif index.exists():
+            for shard, names in read_shard_index(self.folder, what).items():
+                self._scan(self.folder / shard, names)
+        else:
+            raise DSparkError(f"{what} folder {self.folder} has no model.safetensors (nor a shard index)")
+
+    def _scan(self, path: Path, names: set[str] | None) -> None:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise DSparkError(f"{self.what} weights {path} are corrupt or not safetensors "
+                              f"({str(e).splitlines()[0]})") from None
+        if names is not None and names - keys:
+            raise DSparkError(f"{self.what} shard {path.name} lacks {sorted(names - keys)[0]}, which its index "
+                              f"places there")
+        for k in keys if names is None else names:
+            self.files[k] = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+@dataclass
+class LazyWeights:
+    """Parameters left on the meta device, and the checkpoint keys that hold them (by parameter identity, so a
+    tied LM head finds the embedding it is tied to)."""
+    tensors: CheckpointTensors
+    keys: dict[int, str]
+
+    def read(self, param: torch.Tensor) -> torch.Tensor:
+        return self.tensors.read(self.keys[id(param)])

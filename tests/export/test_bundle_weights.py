@@ -1,0 +1,122 @@
+"""The bundle's weights: streamed from the checkpoint (bounded memory), stored at the chosen precision, and the
+vocabulary matrix stored once for all graphs."""
+from __future__ import annotations
+
+import json
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dspark.errors import DSparkError
+from dspark.export.check import check_bundle
+from dspark.export.onnx_export import export_bundle
+from dspark.export.passes import cast_matmuls
+from dspark.models.pair import load_pair
+from support.tiny import tiny_hf, tiny_tokenizer_folder
+
+VOCAB = 2100  # large enough that the graph optimizer's constant folding leaves the vocabulary matrix alone
+HIDDEN = 32
+
+
+def _external(bundle, graph: str) -> dict[str, tuple[str, int, int, int, tuple[int, ...]]]:
+    """initializer -> (location, offset, length, data type, dims) for the graph's external tensors."""
+    model = onnx.load(str(bundle / f"{graph}.onnx"), load_external_data=False)
+    out = {}
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            out[t.name] = (info["location"], int(info.get("offset", 0)), int(info["length"]), t.data_type,
+                           tuple(t.dims))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory):
+    """A tiny Llama (tied embeddings) saved in bf16, as released checkpoints are, as an HF folder with several
+    safetensors shards and their index."""
+    folder = tmp_path_factory.mktemp("target")
+    hf = tiny_hf("llama", vocab=VOCAB, layers=3, seed=3).to(torch.bfloat16)
+    hf.save_pretrained(folder, max_shard_size="100KB")
+    tiny_tokenizer_folder(folder, VOCAB - 4)  # the spare ids give the drafter its mask token
+    assert (folder / "model.safetensors.index.json").exists()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bundles(target_folder, tmp_path_factory):
+    out = {}
+    for precision in ("fp32", "bf16"):
+        pair = load_pair(str(target_folder), "random:5", lazy=True)
+        assert pair.target.layers[0].self_attn.q_proj.weight.is_meta  # the target was never loaded
+        out[precision] = export_bundle(pair, tmp_path_factory.mktemp(precision) / "bundle", max_context=128,
+                                       quiet=True, precision=precision)
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_streamed_bundle_passes_check(bundles, precision):
+    report = check_bundle(bundles[precision])
+    assert report.passed, [r for r in report.rows if not r.passed] or report.e2e
+    assert json.loads((bundles[precision] / "manifest.json").read_text())["precision"] == precision
+
+
+def test_matrices_are_stored_at_the_bundle_precision(bundles):
+    types = {p: {v[3] for v in _external(bundles[p], "verifier").values() if len(v[4]) == 2} for p in bundles}
+    assert types["fp32"] == {onnx.TensorProto.FLOAT}
+    assert types["bf16"] == {onnx.TensorProto.BFLOAT16}
+    stored = {p: sum(n for _, _, n in {v[:3] for g in ("verifier", "draft", "heads")
+                                       for v in _external(bundles[p], g).values()}) for p in bundles}
+    assert stored["bf16"] < 0.55 * stored["fp32"]
+
+
+def test_vocabulary_matrix_is_stored_once(bundles):
+    """Tied embeddings: the verifier's and the draft's embedding and the verifier's and the heads' LM head are one
+    [V, d] matrix, stored once and referred to by all three graphs."""
+    bundle = bundles["fp32"]
+    refs = {g: _external(bundle, g) for g in ("verifier", "draft", "heads")}
+    vocab = {g: {v[:3] for v in r.values() if v[4] in ((VOCAB, HIDDEN), (HIDDEN, VOCAB))} for g, r in refs.items()}
+    assert all(len(v) == 1 for v in vocab.values()), vocab
+    assert len(set.union(*vocab.values())) == 1
+    placed = {v[:3] for r in refs.values() for v in r.values()}
+    assert {loc for loc, _, _ in placed} == {"weights.data"}
+    spans = sorted((off, off + n) for _, off, n in placed)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # every stored tensor is distinct
+    assert spans[-1][1] <= (bundle / "weights.data").stat().st_size
+
+
+def test_a_bad_shard_index_is_refused_before_loading(target_folder, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in target_folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(DSparkError, match="not a .safetensors file there"):
+        load_pair(str(broken), "random", lazy=True)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused(target_folder, tmp_path):
+    folder = tmp_path / "missing"
+    folder.mkdir()
+    for f in target_folder.iterdir():
+        if not f.name.startswith("model"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file({"model.embed_tokens.weight": torch.zeros(VOCAB, HIDDEN)}, str(folder / "model.safetensors"))
+    with pytest.raises(DSparkError, match="has no tensor model.layers.0"):
+        load_pair(str(folder), "random", lazy=True)
+
+
+def test_tensorrt_builds_use_the_stored_precision_as_is(bundles):
+    """A strongly typed TensorRT build of a bf16 bundle runs its matmuls on the stored bf16 weights: no widened
+    copy, no fp32 matmul left with a constant weight."""
+    model = ir.load(str(bundles["bf16"] / "verifier.onnx"))
+    stored = {v.name for v in model.graph.initializers.values() if v.dtype == ir.DataType.BFLOAT16}
+    assert cast_matmuls(model, "bf16") > 0
+    weights = [n.inputs[1] for n in model.graph if n.op_type == "MatMul" and n.inputs[1].is_initializer()]
+    assert weights and all(w.dtype == ir.DataType.BFLOAT16 for w in weights)
+    assert {w.name for w in weights} <= stored
+    assert not [n for n in model.graph if n.op_type == "Cast" and not n.outputs[0].uses()]
