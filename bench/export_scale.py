@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from common import ROOT, machine, write_json
 
 QWEN3 = {  # hidden, layers, intermediate, heads, kv heads, tied embeddings (Qwen3 configs on the Hub)
@@ -113,6 +115,20 @@ def write_drafter(target: Path, folder: Path) -> int:
     return sum(t.numel() for t in drafter.trainable_state_dict().values())
 
 
+def checkpoint_params(folder: Path) -> int:
+    """Parameters stored in a checkpoint folder (a drafter's own: its shared embedding/LM head left out)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                if folder.name == "draft" and k in ("embed_tokens.weight", "lm_head.weight"):
+                    continue
+                total += int(np.prod(f.get_slice(k).get_shape()))
+    return total
+
+
 def timed(cmd: list[str], log: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
@@ -156,10 +172,14 @@ def runtime_figures(bundle: Path, prompts: list[str]) -> dict:
 
 def one_size(size: str, args, tokenizer_from: Path) -> dict:
     work = Path(args.work) / size
-    shutil.rmtree(work, ignore_errors=True)
     t0 = time.perf_counter()
-    params = write_target(size, work / "target", tokenizer_from)
-    draft_params = write_drafter(work / "target", work / "draft")
+    if args.keep and (work / "draft" / "config.json").exists():  # kept from an earlier run
+        shutil.rmtree(work / "bundle", ignore_errors=True)
+        params, draft_params = checkpoint_params(work / "target"), checkpoint_params(work / "draft")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        params = write_target(size, work / "target", tokenizer_from)
+        draft_params = write_drafter(work / "target", work / "draft")
     row = {"size": size, "target_params": params, "draft_own_params": draft_params,
            "make_checkpoints_s": round(time.perf_counter() - t0, 1)}
     bundle = work / "bundle"
@@ -186,7 +206,8 @@ def edgellm_export(exporter: Path, work: Path) -> dict:
     """NVIDIA TensorRT Edge-LLM's exporter on the same pair: the DSpark base graph, then the draft graph with its
     Markov/confidence sidecars (two runs; times add up, the peak is the larger)."""
     out = work / "edgellm"
-    base = timed([str(exporter), str(work / "target"), str(out / "base"), "--dspark-base"], work / "edgellm_base.log")
+    base = timed([str(exporter), str(work / "target"), str(out / "base"), "--dspark-base", "--dspark-draft-dir",
+                  str(work / "draft")], work / "edgellm_base.log")
     draft = timed([str(exporter), str(work / "target"), str(out / "draft"), "--dspark-draft", "--dspark-draft-dir",
                    str(work / "draft")], work / "edgellm_draft.log")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
@@ -230,7 +251,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="0.6b,1.7b,4b")
     ap.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
     ap.add_argument("--work", default="/tmp/dspark-export-scale")
-    ap.add_argument("--keep", action="store_true", help="keep the random targets")
+    ap.add_argument("--keep", action="store_true", help="keep the random checkpoints (and reuse kept ones)")
     ap.add_argument("--edgellm", help="path of tensorrt-edgellm-export: run it on the same pairs for comparison")
     ap.add_argument("--out", default=str(ROOT / "bench/results/export_scale.json"))
     ap.add_argument("--prompts", nargs="*", default=["What is 12 times 7?", "Name three primes.",

@@ -25,6 +25,7 @@ from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
 from dspark.export.trt_lint import lint_bundle
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.ort_backend import OrtBackend
 
 CHECK_DIR = "check"
 CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"
@@ -42,7 +43,9 @@ TOLERANCES = {
 
 
 def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> None:
-    rt = Runtime(bundle)
+    manifest = Manifest.read(bundle)
+    # A fp16/bf16 bundle is recorded with its weights kept at their precision (no fp32 copy folded at load).
+    rt = Runtime(bundle, backend=OrtBackend(bundle, manifest, optimize=manifest.precision == "fp32"))
     captured: dict[str, list[dict]] = {k: [] for k in CAPTURE}
     for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
         graph.run = _recording(graph.run, captured[name], CAPTURE[name])

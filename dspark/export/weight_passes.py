@@ -109,12 +109,17 @@ def store_low_precision(model: ir.Model, precision: str) -> int:
                 cast = ir.node("Cast", [low], attributes={"to": ir.DataType.FLOAT})
                 cast.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
                 cast.outputs[0].shape = value.shape
-                graph.insert_before(graph[0], cast)
+                graph.insert_before(_first_user(graph, value), cast)  # alive only while it is used
                 widened = cast.outputs[0]
             user.replace_input_with(idx, widened)
         del graph.initializers[name]
         converted += 1
     return converted
+
+
+def _first_user(graph: ir.Graph, value: ir.Value) -> ir.Node:
+    users = {id(node) for node, _ in value.uses()}
+    return next(node for node in graph if id(node) in users)
 
 
 def place_weights(model: ir.Model, store: WeightStore) -> None:

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import parametrize
 
 from dspark.errors import DSparkError
 from dspark.models.checkpoint import check_draft_folder, load_draft
@@ -24,11 +25,15 @@ class Pair:
     draft_source: str
 
     def realize(self, precision: str = "fp32") -> None:
-        """Read every weight still on the meta device from its checkpoint (fp32 compute), and round the weights a
-        `precision` bundle stores lower (models.tensors.stored_low) to that precision: the modules then compute
-        what the bundle computes, which is what `dspark-export check` compares against. Tied weights stay tied."""
+        """Read every weight still on the meta device from its checkpoint and make the modules compute what a
+        `precision` bundle computes (fp32 arithmetic; the weight matrices a fp16/bf16 bundle stores lower, see
+        models.tensors.stored_low, rounded alike): what `dspark-export check` compares against. Those matrices
+        stay in memory at their stored precision and are widened when used (a parametrization), so a bf16
+        target never needs a fp32 copy of itself. Tied weights stay tied."""
         lazy = getattr(self.loaded, "lazy", None)
+        low = TORCH[precision] if precision != "fp32" else None
         done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old, new); old kept so ids stay unique
+        widened: dict[tuple[int, str], torch.nn.Module] = {}
         for module in (self.target, self.drafter):
             for m in module.modules():
                 for table in (m._parameters, m._buffers):
@@ -36,14 +41,25 @@ class Pair:
                         if t is None:
                             continue
                         if id(t) not in done:
-                            done[id(t)] = (t, _realized(t, lazy, precision))
+                            done[id(t)] = (t, _realized(t, lazy, low))
                         table[key] = done[id(t)][1]
+                        if low is not None and table is m._parameters and table[key].dtype == low:
+                            widened[(id(m), key)] = m
+        for (_, key), m in widened.items():
+            parametrize.register_parametrization(m, key, _Widen(), unsafe=True)
 
 
-def _realized(t: torch.Tensor, lazy, precision: str) -> torch.Tensor:
-    data = lazy.read(t).to(torch.float32) if t.is_meta else t.data
-    if precision != "fp32" and data.is_floating_point() and stored_low(data):
-        data = data.to(TORCH[precision]).to(torch.float32)
+class _Widen(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(torch.float32)
+
+
+def _realized(t: torch.Tensor, lazy, low: torch.dtype | None) -> torch.Tensor:
+    data = lazy.read(t) if t.is_meta else t.data
+    if low is not None and data.is_floating_point() and stored_low(data):
+        data = data.to(low)
+    else:
+        data = data.to(torch.float32) if data.is_floating_point() else data
     if data is t.data:
         return t
     return torch.nn.Parameter(data, requires_grad=False) if isinstance(t, torch.nn.Parameter) else data

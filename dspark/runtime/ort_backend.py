@@ -13,9 +13,13 @@ from dspark.runtime.backend import Backend
 from dspark.runtime.kv import HostKV, HostRows
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, optimize: bool = True) -> ort.SessionOptions:
+    """optimize=False keeps the graph as stored: a fp16/bf16 bundle's weights then stay at their precision in
+    memory (each Cast to fp32 runs when used instead of being folded into a fp32 copy at load): half the memory,
+    slower steps; what `dspark-export check` needs to record on a bundle larger than the machine's fp32 budget."""
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     opts.intra_op_num_threads = threads or os.cpu_count() or 1
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -60,10 +64,10 @@ class OrtBackend(Backend):
     graph hand-offs are host numpy arrays of any size (dspark.trt.backend.TrtBackend is the device twin)."""
 
     kind = "onnxruntime-cpu"
-    options = ("threads",)
+    options = ("threads", "optimize")
 
-    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
-        opts = session_options(threads)
+    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, optimize: bool = True):
+        opts = session_options(threads, optimize)
         self.verifier = OrtGraph(folder, "verifier", manifest.graphs["verifier"], opts)
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
