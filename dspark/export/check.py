@@ -8,6 +8,7 @@ greedy decoding (DSpark and AR) against the stored reference tokens.
 """
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> Non
     precision = rt.manifest.precision
     rt.close()  # the bundle's sessions go before the PyTorch weights come in: never both in memory
     del rt
+    gc.collect()  # the recording wrappers and their graphs form cycles: free the sessions now
     pair.realize(precision)
     modules = {"verifier": VerifierGraph(pair.target), "draft": DraftGraph(pair.drafter),
                "heads": HeadsGraph(pair.drafter)}

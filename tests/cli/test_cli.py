@@ -123,11 +123,11 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch, tiny_bundle_v6
     hf, target, drafter, _ = tiny_bundle_v6
     calls = []
 
-    def failing(ex, path):
+    def failing(ex, path, *rest):
         calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(ex, path)
+        return real(ex, path, *rest)
 
     real = ox.export_graph
     monkeypatch.setattr(ox, "export_graph", failing)
