@@ -43,7 +43,7 @@ def export(target: Path, output: Path, kill_at_step: int | None = None, sig: int
         while not reached.wait(0.05) and proc.poll() is None and time.monotonic() < deadline:
             pass
         assert reached.is_set(), "".join(seen)
-        time.sleep(0.5)  # inside the step
+        time.sleep(0.2)  # inside the step (the heads step takes a few seconds; leave most of it to the signal)
         proc.send_signal(sig)
     code = proc.wait(timeout)
     reader.join(5)
