@@ -8,7 +8,6 @@ the draft's embedding, the verifier's and the heads' LM head) is written once; e
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -92,11 +91,3 @@ class WeightStore:
         offset, length = self.placed[key]
         return ir.ExternalTensor(self.name, offset, length, dtype, shape=ir.Shape(shape), name=name,
                                  base_dir=str(self.folder))
-
-    @property
-    def bytes_written(self) -> int:
-        return self.offset
-
-
-def file_size(path: Path) -> int:
-    return os.stat(path).st_size
