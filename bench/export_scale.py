@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -129,42 +130,74 @@ def checkpoint_params(folder: Path) -> int:
     return total
 
 
+def _anon_kb(pid: int) -> int:
+    """Private (anonymous) resident memory of a process and its descendants, in KiB."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            total += next((int(line.split()[1]) for line in f if line.startswith("RssAnon:")), 0)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                total += sum(_anon_kb(int(c)) for c in f.read().split())
+    except OSError:  # gone meanwhile
+        pass
+    return total
+
+
 def timed(cmd: list[str], log: Path) -> dict:
+    """Wall time and peak RSS (/usr/bin/time: resident pages, the mapped checkpoint and bundle files included) of
+    a command, and its peak private memory sampled every 0.5 s (what the machine cannot reclaim)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=out, stderr=subprocess.STDOUT, text=True)
+        anon = 0
+        while proc.poll() is None:
+            anon = max(anon, _anon_kb(proc.pid))
+            time.sleep(0.5)
     wall = time.perf_counter() - t0
-    log.write_text(proc.stdout + proc.stderr)
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    text = log.read_text()
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     return {"returncode": proc.returncode, "wall_s": round(wall, 1),
             "peak_rss_gb": round(int(rss.group(1)) / 2**20, 3) if rss else None,
-            "tail": (proc.stdout + proc.stderr).strip().splitlines()[-3:] if proc.returncode else []}
+            "peak_anon_gb": round(anon / 2**20, 3),
+            "tail": text.strip().splitlines()[-3:] if proc.returncode else []}
 
 
 RUN_CHILD = r"""
-import json, resource, sys, time
+import json, resource, sys, threading, time
 from dspark.runtime import DecodeOptions, Runtime
-bundle, prompts = sys.argv[1], json.loads(sys.argv[2])
-t0 = time.perf_counter(); rt = Runtime(bundle); load = time.perf_counter() - t0
+bundle, prompts, weights = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+anon = [0.0]
+def watch():  # process-private memory (ru_maxrss also counts the bundle file's mapped pages, which are shared)
+    while True:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                anon[0] = max(anon[0], int(line.split()[1]) / 2**20)
+        time.sleep(0.1)
+threading.Thread(target=watch, daemon=True).start()
+t0 = time.perf_counter(); rt = Runtime(bundle, weights=weights); load = time.perf_counter() - t0
 rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 ids = [rt.encode(p) for p in prompts]
 def timed(n):
     t = time.perf_counter(); rt.generate([ids[0]], DecodeOptions(max_new_tokens=n, policy="ar")); return time.perf_counter() - t
-timed(2)
-one, nine = sorted(timed(1) for _ in range(3))[1], sorted(timed(9) for _ in range(3))[1]
+one, five = min(timed(1) for _ in range(2)), min(timed(5) for _ in range(2))
 same = []
 for p in ids:
-    ar = rt.generate([p], DecodeOptions(max_new_tokens=16, policy="ar"))[0].token_ids
-    ds = rt.generate([p], DecodeOptions(max_new_tokens=16, policy="all"))[0].token_ids
+    ar = rt.generate([p], DecodeOptions(max_new_tokens=12, policy="ar"))[0].token_ids
+    ds = rt.generate([p], DecodeOptions(max_new_tokens=12, policy="all"))[0].token_ids
     same.append(ar == ds)
-print(json.dumps({"load_s": round(load, 1), "rss_loaded_gb": round(rss_loaded, 3),
+print(json.dumps({"weights": rt.backend.weights, "load_s": round(load, 1), "rss_loaded_gb": round(rss_loaded, 3),
                   "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-                  "ar_step_s": round((nine - one) / 8, 4), "greedy_dspark_equals_ar": same}))
+                  "peak_anon_gb": round(anon[0], 3), "ar_step_s": round((five - one) / 4, 4),
+                  "greedy_dspark_equals_ar": same}))
 """
 
 
-def runtime_figures(bundle: Path, prompts: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RUN_CHILD, str(bundle), json.dumps(prompts)], capture_output=True,
-                          text=True)
+def runtime_figures(bundle: Path, prompts: list[str], weights: str = "auto") -> dict:
+    """In a fresh process: load time, peak RSS and private memory, one AR step, greedy DSpark vs AR; `weights` is
+    the ONNX Runtime weights mode (auto, packed or mapped)."""
+    proc = subprocess.run([sys.executable, "-c", RUN_CHILD, str(bundle), json.dumps(prompts), weights],
+                          capture_output=True, text=True)
     if proc.returncode:
         return {"error": proc.stderr.strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -260,8 +293,11 @@ def main() -> None:
     from dspark.models.target import load_target
 
     tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
-    rows = [one_size(s, args, tokenizer_from) for s in args.sizes.split(",")]
-    out = write_json(args.out, {"machine": machine(), "precision": args.precision, "vocab": VOCAB, "rows": rows})
+    rows = []
+    for size in args.sizes.split(","):  # the JSON is rewritten after each size: a long run keeps what it measured
+        rows.append(one_size(size, args, tokenizer_from))
+        rows.sort(key=lambda r: r["target_params"])
+        out = write_json(args.out, {"machine": machine(), "precision": args.precision, "vocab": VOCAB, "rows": rows})
     plot(rows, out.with_suffix(".png"))
     print(out)
 

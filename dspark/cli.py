@@ -13,6 +13,7 @@ import click
 
 from dspark.cli_cache import cache_group
 from dspark.cli_demo import demo_cmd
+from dspark.cli_options import WEIGHTS_OPTION
 from dspark.cli_quantize import quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
@@ -119,8 +120,9 @@ def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabil
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--trt-lint", is_flag=True, help="Also lint every graph against TensorRT 10's ONNX operator support.")
 @click.option("--lint-only", is_flag=True, help="Only the TensorRT lint (no ONNX Runtime runs).")
+@WEIGHTS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check_cmd(bundle, trt_lint, lint_only, as_json):
+def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
     """Per-graph parity of ONNX Runtime vs the PyTorch reference, and end-to-end greedy token equality."""
     from dataclasses import asdict
 
@@ -138,7 +140,7 @@ def check_cmd(bundle, trt_lint, lint_only, as_json):
         sys.exit(0 if not findings else 1)
     from dspark.export.check import check_bundle, format_report
 
-    rep = check_bundle(bundle, trt_lint=trt_lint)
+    rep = check_bundle(bundle, trt_lint=trt_lint, weights=weights)
     click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
     sys.exit(0 if rep.passed else 1)
 
@@ -175,9 +177,10 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
 @BACKEND_OPTION
 @CUDA_GRAPHS_OPTION
+@WEIGHTS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, threshold_rule, ar, gate, threads, backend,
-            cuda_graphs, as_json):
+            cuda_graphs, weights, as_json):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
     from dspark.calibration.sps import ensure_sps_table
@@ -189,7 +192,8 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, thresh
                                                         gate=gate)
     options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
                             threshold_rule=threshold_rule)
-    rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
+    rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
+                 weights=None if backend != "onnxruntime" else weights)
     ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True), store=False)  # --gate without a table
     if as_json:
         res = rt.generate([prompt], options)[0]

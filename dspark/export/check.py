@@ -45,8 +45,8 @@ TOLERANCES = {
 
 def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> None:
     manifest = Manifest.read(bundle)
-    # A fp16/bf16 bundle is recorded with its weights kept at their precision (no fp32 copy folded at load).
-    rt = Runtime(bundle, backend=OrtBackend(bundle, manifest, optimize=manifest.precision == "fp32"))
+    # The weights stay mapped from the bundle file (no fp32 copy): the recording only has to fit beside nothing.
+    rt = Runtime(bundle, backend=OrtBackend(bundle, manifest, weights="mapped"))
     captured: dict[str, list[dict]] = {k: [] for k in CAPTURE}
     for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
         graph.run = _recording(graph.run, captured[name], CAPTURE[name])
@@ -151,14 +151,14 @@ def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dic
     return rows
 
 
-def check_bundle(bundle: Path, trt_lint: bool = False) -> CheckReport:
+def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") -> CheckReport:
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
     check_dir = bundle / CHECK_DIR
     if not (check_dir / "expected.json").exists():
         raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (exported with --no-check?); re-export it")
     check_reference(bundle)  # the recorded data is untrusted input too (doctor reads it through here)
-    rt = Runtime(bundle)
+    rt = Runtime(bundle, weights=weights)
     rows: list[CheckRow] = []
     for name, count in CAPTURE.items():
         graph = getattr(rt.backend, name)

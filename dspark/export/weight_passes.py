@@ -13,19 +13,33 @@ import onnx_ir as ir
 import torch
 
 from dspark.errors import DSparkError
-from dspark.export.weights import INLINE_BYTES, IR, NUMPY, WeightStore, to_numpy
+from dspark.export.weights import INLINE_BYTES, IR, WeightStore, to_numpy
 from dspark.models.tensors import stored_low
 
 ORIGIN = "dspark.origin"
+READ = "dspark.read"  # value.meta: () -> torch.Tensor, the initializer's data before its cast to the value's dtype
+TORCH_OF = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
 
 
-def _lazy(value: ir.Value, make: Callable[[], np.ndarray], dtype: ir.DataType, shape: list[int]) -> ir.LazyTensor:
-    return ir.LazyTensor(lambda: ir.tensor(make(), name=value.name), dtype, ir.Shape(shape), name=value.name)
+def _bind(value: ir.Value, read: Callable[[], torch.Tensor]) -> None:
+    """value's data becomes read() cast to value's dtype, computed when it is written. Transposes and precision
+    changes compose on `read` in torch, at the checkpoint's own dtype: a bf16 matrix bound for a bf16 bundle is
+    transposed as bf16 and never widened."""
+    value.meta[READ] = read
+    dtype, shape = TORCH_OF.get(value.dtype), [int(d) for d in value.shape]
+
+    def make() -> ir.Tensor:
+        t = read()
+        return ir.tensor(to_numpy(t.to(dtype) if dtype is not None else t), name=value.name)
+
+    value.const_value = ir.LazyTensor(make, value.dtype, ir.Shape(shape), name=value.name)
 
 
-def _reader(value: ir.Value) -> Callable[[], np.ndarray]:
-    tensor = value.const_value
-    return tensor.numpy
+def _read(value: ir.Value) -> Callable[[], torch.Tensor]:
+    if READ in value.meta:
+        return value.meta[READ]
+    tensor = value.const_value  # a constant the exporter or the optimizer made: small, in memory
+    return lambda: torch.from_numpy(np.array(tensor.numpy()))
 
 
 def bind_weights(model: ir.Model, values: dict[str, tuple[object, Callable[[], torch.Tensor]]]) -> None:
@@ -34,11 +48,8 @@ def bind_weights(model: ir.Model, values: dict[str, tuple[object, Callable[[], t
         if name not in values:
             raise DSparkError(f"exported graph has an initializer {name!r} that is no weight of the model")
         identity, read = values[name]
-        shape = [int(d) for d in value.shape]
         value.meta[ORIGIN] = (identity,)
-        widen = value.dtype == ir.DataType.FLOAT  # a bf16 checkpoint read for a graph traced in fp32
-        value.const_value = _lazy(value, lambda r=read, w=widen: to_numpy(r().float() if w else r()), value.dtype,
-                                  shape)
+        _bind(value, read)  # a bf16 checkpoint read for a graph traced in fp32 is widened only if written as fp32
 
 
 def fold_transposes_lazily(model: ir.Model, keep: frozenset = frozenset()) -> int:
@@ -60,9 +71,9 @@ def fold_transposes_lazily(model: ir.Model, keep: frozenset = frozenset()) -> in
         rank = len(src.shape)
         perm = list(perm_attr.as_ints()) if perm_attr is not None else list(reversed(range(rank)))
         shape = [int(src.shape[p]) for p in perm]
-        read = _reader(src)
+        read = _read(src)
         new = ir.Value(name=f"{src.name}.T", shape=ir.Shape(shape), type=src.type)
-        new.const_value = _lazy(new, lambda r=read, p=perm: np.ascontiguousarray(r().transpose(p)), src.dtype, shape)
+        _bind(new, lambda r=read, p=perm: r().permute(p).contiguous())
         new.meta[ORIGIN] = src.meta.get(ORIGIN, (src.name,)) + (("T", tuple(perm)),)
         graph.register_initializer(new)
         ir.convenience.replace_all_uses_with(node.outputs[0], new)
@@ -83,10 +94,8 @@ def store_low_precision(model: ir.Model, precision: str) -> int:
     for name, value in list(graph.initializers.items()):
         if value.dtype != ir.DataType.FLOAT or not stored_low(value.shape) or not value.uses():
             continue
-        shape = [int(d) for d in value.shape]
-        read = _reader(value)
         low = ir.Value(name=f"{name}.{precision}", shape=value.shape, type=ir.TensorType(IR[precision]))
-        low.const_value = _lazy(low, lambda r=read: r().astype(NUMPY[precision]), IR[precision], shape)
+        _bind(low, _read(value))  # rounded from the source dtype (a bf16 checkpoint into a bf16 bundle: as is)
         low.meta[ORIGIN] = value.meta.get(ORIGIN, (name,)) + ((precision,),)
         graph.register_initializer(low)
         widened = None

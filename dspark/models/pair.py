@@ -46,7 +46,14 @@ class Pair:
                         if low is not None and table is m._parameters and table[key].dtype == low:
                             widened[(id(m), key)] = m
         for (_, key), m in widened.items():
-            parametrize.register_parametrization(m, key, _Widen(), unsafe=True)
+            if isinstance(m, torch.nn.Embedding):  # widen the rows it gathers, not the whole vocabulary matrix
+                m.register_forward_hook(_widen_output)
+            else:
+                parametrize.register_parametrization(m, key, _Widen(), unsafe=True)
+
+
+def _widen_output(module, args, out: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.float32)
 
 
 class _Widen(torch.nn.Module):

@@ -124,7 +124,7 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden)
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.embed_tokens.weight.dtype
+        dtype = dtype or self.lm_head.weight.dtype  # (a realized low-precision embedding is widened per lookup)
         return torch.zeros(kv_cache_shape(self.cfg, batch, capacity), dtype=dtype)
 
 

@@ -59,10 +59,12 @@ class Runtime:
     """A loaded bundle. `generate` decodes a batch; `stream` yields text as rounds commit tokens."""
 
     def __init__(self, bundle: str | Path, backend: str | Backend = "onnxruntime", threads: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, weights: str | None = None):
         """backend: a registered backend's name ("onnxruntime" on CPU; "tensorrt": the bundle's engines from
         `dspark-export build`, driven through cuda-python with device-resident caches, where `cuda_graphs` replays
-        each engine launch as a CUDA graph), or a Backend object already made for this bundle."""
+        each engine launch as a CUDA graph), or a Backend object already made for this bundle. weights (ONNX
+        Runtime): "packed" (fp32 copies, fastest), "mapped" (used from the bundle file at their stored precision,
+        for bundles larger than memory) or "auto" (the default: packed when it fits)."""
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
         self.folder = Path(bundle)
@@ -72,7 +74,7 @@ class Runtime:
             self.backend = backend
         else:
             self.backend = create_backend(backend, self.folder, self.manifest, threads=threads,
-                                          cuda_graphs=cuda_graphs)
+                                          cuda_graphs=cuda_graphs, weights=weights)
 
     def __enter__(self) -> "Runtime":
         return self

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from dspark.cli_options import WEIGHTS_OPTION
+
 POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate)."
 
 
@@ -28,10 +30,11 @@ POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, top
               help="Open connections at most; beyond them the server answers 503.")
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(["onnxruntime", "tensorrt"]))
+@WEIGHTS_OPTION
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_context, model_name, grace,
-              max_connections, threads, backend, log_level):
+              max_connections, threads, backend, weights, log_level):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with an always-on continuous-batching engine."""
     from dspark.lazy import optional_import
@@ -48,7 +51,7 @@ def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_conte
     config = ServeConfig(bundle=bundle, model_name=model_name or Path(bundle).resolve().name,
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
                                               max_context=max_context),
-                         backend=backend, threads=threads, grace=grace, max_connections=max_connections)
+                         backend=backend, threads=threads, weights=weights, grace=grace, max_connections=max_connections)
     serve(config, host, port, log_level)
 
 

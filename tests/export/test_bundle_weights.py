@@ -120,3 +120,37 @@ def test_tensorrt_builds_use_the_stored_precision_as_is(bundles):
     assert weights and all(w.dtype == ir.DataType.BFLOAT16 for w in weights)
     assert {w.name for w in weights} <= stored
     assert not [n for n in model.graph if n.op_type == "Cast" and not n.outputs[0].uses()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_mapped_weights_decode_the_same_tokens_as_packed(bundles, precision):
+    """ONNX Runtime with the weights used from the mapped bundle file (no fp32 copy) computes what the packed
+    sessions compute: the same greedy tokens, DSpark and AR, and check passes in that mode too."""
+    from dspark.runtime import DecodeOptions, Runtime
+
+    prompt = list(range(5, 17))
+    tokens = {}
+    for mode in ("packed", "mapped"):
+        with Runtime(bundles[precision], weights=mode) as rt:
+            assert rt.backend.weights == mode
+            tokens[mode] = [rt.generate([prompt], DecodeOptions(max_new_tokens=12, policy=p))[0].token_ids
+                            for p in ("ar", "all")]
+    assert tokens["mapped"] == tokens["packed"]
+    assert check_bundle(bundles[precision], weights="mapped").passed
+
+
+def test_auto_weights_mode_maps_a_bundle_too_large_to_widen(bundles, monkeypatch):
+    from dspark.bundle import Manifest
+    from dspark.runtime import ort_backend
+
+    bundle = bundles["bf16"]
+    manifest = Manifest.read(bundle)
+    stored = sum(p.stat().st_size for p in bundle.iterdir() if p.name.endswith(".data"))
+    widened = 2 * stored  # bf16 -> fp32
+    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(widened / ort_backend.FIT_SHARE) + 1)
+    assert ort_backend.weights_mode(bundle, manifest) == "packed"
+    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(widened / ort_backend.FIT_SHARE) - 4096)
+    assert ort_backend.weights_mode(bundle, manifest) == "mapped"
+    assert ort_backend.weights_mode(bundle, manifest, "packed") == "packed"  # asked for: no second guessing
+    with pytest.raises(DSparkError, match="unknown weights mode"):
+        ort_backend.weights_mode(bundle, manifest, "fp8")
