@@ -52,7 +52,8 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> Non
         graph.run = _recording(graph.run, captured[name], CAPTURE[name])
     prompt_ids = rt.encode(CHECK_PROMPT)
     for _ in rt.decoder([prompt_ids], DecodeOptions(max_new_tokens=max_tokens)):
-        pass
+        if all(len(captured[k]) >= n for k, n in CAPTURE.items()):
+            break  # every graph's inputs are in: the reference tokens come from PyTorch, not from this decode
     specs_of, stop = rt.manifest.graphs, tuple(rt.manifest.stop_token_ids)
     precision = rt.manifest.precision
     rt.close()  # the bundle's sessions go before the PyTorch weights come in: never both in memory
