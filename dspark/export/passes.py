@@ -4,14 +4,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
-import onnxscript.optimizer
+from onnx_ir.passes import common
+from onnxscript.optimizer import constant_folding
 
 
 FOLD_INPUT_ELEMENTS = 1 << 16
 
 
 def optimize_graph(model: ir.Model) -> None:
-    """Constant folding and clean-up (onnxscript's optimizer) without inlining, so dspark functions stay calls.
+    """Constant folding and clean-up without inlining, so dspark functions stay calls: onnxscript's optimizer
+    pipeline minus its pattern rewriter. On the SmolLM2 verifier the rewriter took 40 of 42 s and removed 7 of
+    2287 nodes (3 Reshape, 2 Unsqueeze, a Squeeze and a Concat), which ONNX Runtime and TensorRT eliminate too.
 
     Runs after the weight passes, so no large initializer needs folding: the size limits keep it fast. A large
     Transpose(initializer) still there was kept on purpose (a tied vocabulary matrix, stored once in its gathered
@@ -25,8 +28,19 @@ def optimize_graph(model: ir.Model) -> None:
                 return False
         return None
 
-    onnxscript.optimizer.optimize_ir(model, inline=False, input_size_limit=FOLD_INPUT_ELEMENTS,
-                                     output_size_limit=1 << 20, should_fold=should_fold)
+    fold = constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=FOLD_INPUT_ELEMENTS,
+                                              output_size_limit=1 << 20, should_fold=should_fold)
+    ir.passes.Sequential(
+        ir.passes.PassManager([fold, common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(),
+                               common.RemoveUnusedOpsetsPass()], steps=2, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
 
 
 def cast_matmuls(model: ir.Model, dtype: str) -> int:
