@@ -245,7 +245,8 @@ def edgellm_export(exporter: Path, work: Path) -> dict:
                    str(work / "draft")], work / "edgellm_draft.log")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
     result = {"base": base, "draft": draft, "wall_s": round(base["wall_s"] + draft["wall_s"], 1),
-              "peak_rss_gb": max(base["peak_rss_gb"] or 0, draft["peak_rss_gb"] or 0), "output_bytes": size}
+              "peak_rss_gb": max(base["peak_rss_gb"] or 0, draft["peak_rss_gb"] or 0),
+              "peak_anon_gb": max(base.get("peak_anon_gb") or 0, draft.get("peak_anon_gb") or 0), "output_bytes": size}
     shutil.rmtree(out, ignore_errors=True)
     return result
 
@@ -268,11 +269,14 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].legend()
     axes[0].set(xlabel="target parameters (B)", ylabel="export wall time (s)")
     axes[1].plot(x, [r["export"]["peak_rss_gb"] for r in ok], "o-", label="export peak RSS")
+    axes[1].plot(x, [r["export"].get("peak_anon_gb", float("nan")) for r in ok], "o:", label="export private memory")
     axes[1].plot(x, [r["weights_bytes"] / 2**30 for r in ok], "s--", label="bundle weights")
     axes[1].plot(x, [r["runtime"].get("peak_rss_gb", float("nan")) for r in ok], "^-", label="runtime peak RSS")
     axes[1].set(xlabel="target parameters (B)", ylabel="GiB")
     axes[1].legend()
     axes[2].plot(x, [r["runtime"].get("ar_step_s", float("nan")) for r in ok], "o-")
+    for r, xi in zip(ok, x):
+        axes[2].annotate(r["runtime"].get("weights", ""), (xi, r["runtime"].get("ar_step_s", 0)), fontsize=8)
     axes[2].set(xlabel="target parameters (B)", ylabel="one AR step, ONNX Runtime CPU (s)")
     fig.suptitle("dspark-export on random Qwen3-shaped pairs (2-core VM)")
     fig.tight_layout()
