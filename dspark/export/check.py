@@ -3,9 +3,10 @@
 At export time, `record_check_data` decodes through the fresh bundle (ONNX Runtime with its weights mapped, no
 fp32 copy) until it has real inputs of every graph (prefill, draft, heads, verify), closes it, then evaluates the
 PyTorch modules on exactly those inputs and runs the PyTorch reference decoder (weights at the bundle's
-precision): the bundle and the reference are never in memory together. Everything lands in BUNDLE/check/. `check_bundle` later needs only the bundle: ONNX Runtime
-vs the stored reference outputs through Polygraphy's comparator with per-output tolerances, then end-to-end
-greedy decoding (DSpark and AR) against the stored reference tokens.
+precision): the bundle and the reference are never in memory together. Everything lands in BUNDLE/check/.
+`check_bundle` later needs only the bundle: ONNX Runtime vs the stored reference outputs through Polygraphy's
+comparator with per-output tolerances, then end-to-end greedy decoding (DSpark and AR) against the stored
+reference tokens.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from dspark.runtime.kv import HostKV, HostRows
 
 WEIGHT_MODES = ("auto", "packed", "mapped")
 FIT_SHARE = 0.6  # auto packs the weights when their fp32 copy takes at most this share of the available memory
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per stored weight (manifest.precision)
 
 
 def session_options(threads: int | None = None, weights: str = "packed") -> ort.SessionOptions:
@@ -24,7 +25,7 @@ def session_options(threads: int | None = None, weights: str = "packed") -> ort.
     the mapped pages are shared by the three graphs (and by every process serving the bundle) and each widening
     Cast runs when its MatMul needs it, into memory freed right after (no arena: an arena keeps its high-water
     mark). What a bundle whose fp32 copy does not fit in memory runs with; slow: one AR step of SmolLM2 bf16 took
-    105 ms mapped vs 38 ms packed (process memory 0.09 vs 0.74 GB), of a Qwen3-4B-shaped bf16 pair 6.5 s."""
+    105 ms mapped vs 38 ms packed (process memory 0.09 vs 0.74 GB), of a Qwen3-4B-shaped bf16 pair 4.4-6.5 s."""
     if weights not in ("packed", "mapped"):
         raise DSparkError(f"unknown weights mode {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
     opts = ort.SessionOptions()
@@ -52,9 +53,6 @@ def weights_mode(folder: Path, manifest: Manifest, weights: str | None = "auto")
     widened = stored * (4 // PRECISION_BYTES.get(manifest.precision, 4))
     available = _available_memory()
     return "packed" if available is None or widened <= FIT_SHARE * available else "mapped"
-
-
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def _available_memory() -> int | None:
