@@ -55,8 +55,9 @@ def bind_weights(model: ir.Model, values: dict[str, tuple[object, Callable[[], t
 def fold_transposes_lazily(model: ir.Model, keep: frozenset = frozenset()) -> int:
     """Transpose(initializer) -> a transposed initializer, computed when written: torch.onnx writes
     nn.Linear as MatMul(x, Transpose(W)), which ONNX Runtime would transpose at every load and weight-only quantizers
-    (which look for MatMul with a constant B) would skip. Weights whose identity is in `keep` keep their layout: a tied vocabulary matrix is gathered as
-    [V, d] by the embeddings, so its LM-head use stays Transpose(W) and the bundle stores the matrix once."""
+    (which look for MatMul with a constant B) would skip. Weights whose identity is in `keep` keep their layout: a
+    tied vocabulary matrix is gathered as [V, d] by the embeddings, so its LM-head use stays Transpose(W) and the
+    bundle stores the matrix once (a mapped ONNX Runtime session then transposes it at every step it is used)."""
     graph = model.graph
     folded = 0
     for node in list(graph):
