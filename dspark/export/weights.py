@@ -24,7 +24,6 @@ from dspark.models.tensors import LazyWeights
 WEIGHTS_FILE = WEIGHTS
 ALIGN = 1 << 16  # ONNX Runtime maps external data that starts on an allocation-granularity boundary
 INLINE_BYTES = 1 << 12  # smaller tensors stay inside the graph file
-NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 IR = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 
 

@@ -26,8 +26,7 @@ def session_options(threads: int | None = None, weights: str = "packed") -> ort.
     Cast runs when its MatMul needs it, into memory freed right after (no arena: an arena keeps its high-water
     mark). What a bundle whose fp32 copy does not fit in memory runs with; slow: one AR step of SmolLM2 bf16 took
     105 ms mapped vs 38 ms packed (process memory 0.09 vs 0.74 GB), of a Qwen3-4B-shaped bf16 pair 4.4-6.5 s."""
-    if weights not in ("packed", "mapped"):
-        raise DSparkError(f"unknown weights mode {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
+    _known_mode(weights, ("packed", "mapped"))
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or os.cpu_count() or 1
@@ -47,12 +46,17 @@ def weights_mode(folder: Path, manifest: Manifest, weights: str | None = "auto")
     """auto: packed when the bundle's weights, widened to fp32, take at most FIT_SHARE of the memory available
     now; mapped otherwise (a Qwen3-4B bf16 pair: 9.3 GB stored, 18.5 GB as fp32, on a 24 GB machine)."""
     if weights not in (None, "auto"):
-        session_options(weights=weights)  # validates the name
-        return weights
+        return _known_mode(weights, WEIGHT_MODES)
     stored = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.endswith(".data"))
     widened = stored * (4 // PRECISION_BYTES.get(manifest.precision, 4))
     available = _available_memory()
     return "packed" if available is None or widened <= FIT_SHARE * available else "mapped"
+
+
+def _known_mode(weights: str, allowed: tuple[str, ...]) -> str:
+    if weights not in allowed:
+        raise DSparkError(f"unknown weights mode {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
+    return weights
 
 
 def _available_memory() -> int | None:
