@@ -12,6 +12,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -25,6 +26,7 @@ from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEA
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.check import record_check_data
 from dspark.export.passes import optimize_graph
+from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
 from dspark.export.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
 from dspark.export.weights import WeightStore, module_values, traced_on_meta
 from dspark.files import Temporary, replace_folder
@@ -80,6 +82,7 @@ class GraphExample:
     names: tuple[str, ...]  # names of every flat input, cache tensors included
     outputs: tuple[str, ...]
     dims: dict[str, dict[int, str]]  # input name -> {axis: dynamic axis name}
+    stack: LayerStack | None = None  # identical layers traced once and stamped
 
     @property
     def has_past(self) -> bool:
@@ -127,7 +130,12 @@ def verifier_example(pair: Pair) -> GraphExample:
             "accept_noise": {0: "batch", 1: "rows"}, "sample_noise": {0: "batch"},
             "draft_probs": {0: "batch", 1: "draft_rows"}}
     dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("past", t.num_layers)})
-    return GraphExample(VerifierGraph(pair.target), args, names, VERIFIER_OUTPUTS, dims)
+    # layer_step(x, cos, sin, k_past, v_past, past_mask, new_mask)
+    stack = LayerStack(pair.target, pair.target.layers,
+                       ({0: "batch", 1: "seq"}, {0: "batch", 2: "seq"}, {0: "batch", 2: "seq"},
+                        {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}, {0: "batch", 4: "capacity"},
+                        {3: "seq", 4: "seq"}), kv_len_input=0, kv_heads=t.num_kv_heads, head_dim=t.head_dim)
+    return GraphExample(VerifierGraph(pair.target), args, names, VERIFIER_OUTPUTS, dims, stack)
 
 
 def draft_example(pair: Pair) -> GraphExample:
@@ -146,7 +154,13 @@ def draft_example(pair: Pair) -> GraphExample:
     dims = {"ctx_features": {0: "batch", 1: "ctx"}, "ctx_count": {0: "batch"}, "anchor": {0: "batch"},
             "past_mask": {0: "batch", 1: "capacity"}}
     dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("draft_past", c.num_layers)})
-    return GraphExample(DraftGraph(pair.drafter), args, names, DRAFT_OUTPUTS, dims)
+    # layer_step(x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, past_mask, ctx_mask, blk_mask, k_past, v_past)
+    stack = LayerStack(pair.drafter, pair.drafter.layers,
+                       ({0: "batch"}, {0: "batch", 1: "ctx"}, {0: "batch", 2: "ctx"}, {0: "batch", 2: "ctx"},
+                        {0: "batch"}, {0: "batch"}, {0: "batch", 4: "capacity"}, {0: "batch", 4: "ctx"}, {},
+                        {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}),
+                       kv_len_input=1, kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    return GraphExample(DraftGraph(pair.drafter), args, names, DRAFT_OUTPUTS, dims, stack)
 
 
 def heads_example(pair: Pair) -> GraphExample:
@@ -182,26 +196,31 @@ def _on_meta(args):
 
 
 def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None, lazy: LazyWeights | None = None,
-                 precision: str = "fp32") -> GraphSpec:
-    """Trace one graph on the meta device, bind its weights (read when written), attach the dspark function
-    bodies, store the weights in `store` (by default, a data file of this graph's own) and save the graph file."""
+                 precision: str = "fp32", stamp: bool = True) -> GraphSpec:
+    """Trace one graph on the meta device (with `stamp`, its identical layers as one traced layer stamped once per
+    layer), bind its weights (read when written), attach the dspark function bodies, store the weights in `store`
+    (by default, a data file of this graph's own) and save the graph file."""
     if store is None:
         own = WeightStore(path.parent, f"{path.name}.data")
         try:
-            return export_graph(ex, path, own, lazy, precision)
+            return export_graph(ex, path, own, lazy, precision, stamp)
         finally:
             own.close()
     module = ex.module.eval()
     values = module_values(module, lazy)
+    stack = ex.stack if stamp and ex.stack is not None and ex.stack.stampable() else None
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings():
+    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings(), stamped(stack):
         warnings.simplefilter("ignore")
         args = tuple(_on_meta(a) for a in ex.args)
         outs = module(*args)
         prog = torch.onnx.export(module, args, dynamo=True, input_names=list(ex.names),
                                  output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
                                  verbose=False, report=False)
+        layer = layer_function(stack) if stack is not None else None
     model = prog.model
+    if layer is not None:
+        inline_layers(model, layer)
     bind_weights(model, values)
     attach_functions(model)
     embeddings = frozenset(identity for name, (identity, _) in values.items() if name.endswith("embed_tokens.weight"))
@@ -246,15 +265,42 @@ def _source(path: Path, name: str) -> dict:
     return {"name": name, "folder": str(path), "sha256": files}
 
 
-def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...],
-                   precision: str = "fp32") -> Manifest:
-    t, c = pair.target.cfg, pair.drafter.cfg
+def pair_sources(pair: Pair) -> dict:
+    """What the bundle was made from, with the checkpoints' digests."""
     sources = {"target": _source(pair.loaded.source_file, pair.loaded.source)}
     if pair.draft_source.startswith("random"):
         sources["draft"] = {"name": pair.draft_source, "note": "untrained random drafter"}
     else:
-
         sources["draft"] = _source(resolve_draft(pair.draft_source), pair.draft_source)
+    return sources
+
+
+class Background:
+    """fn() on a daemon thread, so an export that fails does not wait for it: hashing the checkpoints (which
+    releases the GIL) while the graphs are traced."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.value: object = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:  # re-raised in the caller's thread by result()
+            self.error = e
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...],
+                   precision: str = "fp32", sources: dict | None = None) -> Manifest:
+    t, c = pair.target.cfg, pair.drafter.cfg
     return Manifest(
         target={"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
                 "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size},
@@ -267,7 +313,7 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
         max_context=max_context,
         stop_token_ids=list(stop_ids),
         graphs=specs,
-        sources=sources,
+        sources=sources if sources is not None else pair_sources(pair),
         calibration={"sts_temperatures": list(c.sts_temperatures), "sps_table": None},
         precision=precision,
         tools=_tool_versions(),
@@ -290,6 +336,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     progress = progress or Progress(6 if check_data else 5, quiet)
     staging = Temporary(output)
     tmp = staging.path
+    sources = Background(lambda: pair_sources(pair))
     try:
         for f in pair.loaded.tokenizer_files():
             if f.name != "config.json":
@@ -310,7 +357,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         with progress.step("writing manifest"):
             for spec in specs.values():
                 spec.sha256 = sha256_file(tmp / spec.file)
-            manifest = build_manifest(pair, specs, max_context, stop_ids, precision)
+            manifest = build_manifest(pair, specs, max_context, stop_ids, precision, sources.result())
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             (tmp / MANIFEST).write_text(manifest.to_json())
         if check_data:

@@ -8,6 +8,8 @@ the draft's embedding, the verifier's and the heads' LM head) is written once; e
 """
 from __future__ import annotations
 
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -64,7 +66,11 @@ def traced_on_meta(module: torch.nn.Module) -> Iterator[None]:
 
 
 class WeightStore:
-    """Appends tensors to one external data file, aligned, each distinct (identity, layout, dtype) once."""
+    """Appends tensors to one external data file, aligned, each distinct (identity, layout, dtype) once.
+
+    `place` hands out the offset at once and leaves reading, converting and writing the tensor to one writer
+    thread, which works (mostly outside the GIL) while the next graph is traced. `close` waits for the writes and
+    raises the first error one of them met."""
 
     def __init__(self, folder: Path, name: str = WEIGHTS_FILE):
         self.folder, self.name = Path(folder), name
@@ -72,21 +78,34 @@ class WeightStore:
         self.file = open(self.path, "wb")
         self.offset = 0
         self.placed: dict[tuple, tuple[int, int]] = {}
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
+        self.writes: list[Future] = []
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            for write in self.writes:
+                write.result()
+        finally:
+            self.writer.shutdown(cancel_futures=True)
+            self.file.close()
+
+    def _write(self, array: Callable[[], np.ndarray], offset: int, length: int, name: str) -> None:
+        data = np.ascontiguousarray(array())
+        if data.nbytes != length:
+            raise DSparkError(f"weight {name} has {data.nbytes} bytes where its shape and type say {length}")
+        self.file.seek(offset)
+        self.file.write(memoryview(data.reshape(-1).view(np.uint8)))
 
     def place(self, key: tuple, array: Callable[[], np.ndarray], dtype: ir.DataType, shape: list[int],
               name: str) -> ir.ExternalTensor:
         if key not in self.placed:
-            data = np.ascontiguousarray(array())
-            pad = -self.offset % ALIGN
-            self.file.write(b"\0" * pad)
-            self.offset += pad
-            self.file.write(memoryview(data.reshape(-1).view(np.uint8)))
-            self.placed[key] = (self.offset, data.nbytes)
-            self.offset += data.nbytes
-            del data
+            if self.writes and self.writes[-1].done():
+                self.writes[-1].result()  # fail early
+            length = math.ceil(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            self.offset += -self.offset % ALIGN
+            self.placed[key] = (self.offset, length)
+            self.writes.append(self.writer.submit(self._write, array, self.offset, length, name))
+            self.offset += length
         offset, length = self.placed[key]
         return ir.ExternalTensor(self.name, offset, length, dtype, shape=ir.Shape(shape), name=name,
                                  base_dir=str(self.folder))

@@ -184,13 +184,22 @@ class DSparkDrafter(nn.Module):
         x = self.block_inputs(anchor)
         ccos, csin = rope_cos_sin(ctx_pos, self.inv_freq, x.dtype)
         bcos, bsin = rope_cos_sin(blk_pos, self.inv_freq, x.dtype)
-        masks = [past_valid[:, None, None, None, :], (ar_c[None, :] < ctx_count[:, None])[:, None, None, None, :],
-                 torch.ones(1, 1, 1, 1, bk, dtype=torch.bool, device=anchor.device)]
+        masks = (past_valid[:, None, None, None, :], (ar_c[None, :] < ctx_count[:, None])[:, None, None, None, :],
+                 torch.ones(1, 1, 1, 1, bk, dtype=torch.bool, device=anchor.device))
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, ctx_kv = layer(x, ctx, (ccos, csin), (bcos, bsin), masks, past=draft_kv[i])
-            new_kv.append(torch.stack(ctx_kv))
+            x, k, v = self.layer_step(layer, x, ctx, ccos, csin, bcos, bsin, *masks, draft_kv[i][0], draft_kv[i][1])
+            new_kv.append(torch.stack([k, v]))
         return self.norm(x), torch.stack(new_kv)
+
+    @staticmethod
+    def layer_step(layer: DraftLayer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, past_mask, ctx_mask, blk_mask,
+                   k_past, v_past):
+        """One incremental backbone layer, tensors in, tensors out (the export traces one layer through this and
+        repeats it): the new x and the new context's K, V."""
+        x, (k, v) = layer(x, ctx, (ctx_cos, ctx_sin), (blk_cos, blk_sin), [past_mask, ctx_mask, blk_mask],
+                          past=(k_past, v_past))
+        return x, k, v
 
     def packed_blocks(self, ctx_features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Training forward: many blocks of one sequence at once (DeepSpec's packed block-sparse attention).

@@ -77,10 +77,11 @@ class TargetModel(nn.Module):
         out = grouped_attention(q, [k_past, k], [v_past, v], [past_mask, new_mask], attn.scaling)
         return attn.o_proj(out), k, v
 
-    def _block(self, layer: nn.Module, x: torch.Tensor, cos, sin, past, past_mask, new_mask):
-        """One pre-norm decoder layer on the residual stream x; past = the layer's cached (K, V).
-        Returns the new x and the K, V of x's positions."""
-        a, k, v = self._attention(layer, self._norm(layer.input_layernorm, x), cos, sin, past[0], past[1],
+    def layer_step(self, layer: nn.Module, x: torch.Tensor, cos, sin, k_past, v_past, past_mask, new_mask):
+        """One pre-norm decoder layer on the residual stream x, after the layer's cached K, V; tensors in, tensors
+        out (the export traces one layer through this and repeats it). Returns the new x and the K, V of x's
+        positions."""
+        a, k, v = self._attention(layer, self._norm(layer.input_layernorm, x), cos, sin, k_past, v_past,
                                   past_mask, new_mask)
         x = x + a
         x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
@@ -98,7 +99,7 @@ class TargetModel(nn.Module):
         taps = {-1: x} if -1 in self.tap_ids else {}
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, k, v = self._block(layer, x, cos, sin, past_kv[i], pm, nm)
+            x, k, v = self.layer_step(layer, x, cos, sin, past_kv[i][0], past_kv[i][1], pm, nm)
             new_kv.append(torch.stack([k, v]))
             if i in self.tap_ids:
                 taps[i] = x
@@ -117,7 +118,7 @@ class TargetModel(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None, None]
         empty = h.new_zeros(b, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
         for layer in self.layers[first_layer:]:
-            h, _, _ = self._block(layer, h, cos, sin, (empty, empty), causal[..., :0], causal)
+            h, _, _ = self.layer_step(layer, h, cos, sin, empty, empty, causal[..., :0], causal)
         return self._norm(self.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

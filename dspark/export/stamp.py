@@ -1,0 +1,125 @@
+"""Trace one decoder layer and stamp it once per layer.
+
+torch.onnx spends most of an export tracing and decomposing the decoder layers, which are the same code on other
+weights: 58 of the Qwen3-0.6B verifier's 65 s. While the graph is traced, each layer's `layer_step` becomes one
+`dspark.stamp::Layer` node whose inputs are the step's tensors and then the layer's own weights. The first
+layer is traced on its own into an ONNX function with its weights as inputs, and every call is then inlined: the
+graph is the one a full trace writes, traced in the time of one layer.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import onnx_ir as ir
+import torch
+from onnx_ir.passes.common import InlinePass
+from torch import nn
+
+from dspark.errors import DSparkError
+
+DOMAIN = "dspark.stamp"
+OP = "Layer"
+
+
+@dataclass
+class LayerStack:
+    """Identical layers that `owner.layer_step(layer, *tensors) -> (x, k, v)` runs one at a time."""
+
+    owner: nn.Module
+    layers: nn.ModuleList
+    dims: tuple[dict[int, str], ...]  # per tensor input of layer_step: axis -> dynamic dim name
+    kv_len_input: int  # the tensor input whose axis 1 counts the positions of the K/V a step returns
+    kv_heads: int
+    head_dim: int
+    example: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # the first eager call's tensors
+    step: Callable | None = field(default=None, repr=False)  # the owner's own layer_step, while it is stamped
+
+    def stampable(self) -> bool:
+        first = [p.shape for p in self.layers[0].parameters()]
+        return len(self.layers) > 1 and all([p.shape for p in layer.parameters()] == first for layer in self.layers)
+
+
+@contextmanager
+def stamped(stack: LayerStack | None) -> Iterator[None]:
+    """Within: an eager call runs the real step (and records the first one's tensors, the example the layer is
+    traced on); a call under torch.onnx.export is one dspark.stamp::Layer node."""
+    if stack is None or not stack.stampable():
+        yield
+        return
+    step = stack.step = stack.owner.layer_step
+
+    def layer_step(layer: nn.Module, *tensors: torch.Tensor):
+        if not torch.onnx.is_in_onnx_export():
+            if stack.example is None:
+                stack.example = tensors
+            return step(layer, *tensors)
+        x = tensors[0]
+        kv = (x.shape[0], stack.kv_heads, tensors[stack.kv_len_input].shape[1], stack.head_dim)
+        outs = torch.onnx.ops.symbolic_multi_out(
+            f"{DOMAIN}::{OP}", (*tensors, *layer.parameters()), {}, dtypes=(x.dtype,) * 3,
+            shapes=(x.shape, kv, kv), version=1)
+        return tuple(out.to(x.device) for out in outs)  # the op's outputs are made on the default device
+
+    stack.owner.layer_step = layer_step
+    try:
+        yield
+    finally:
+        del stack.owner.layer_step  # the class's own method again
+        stack.step = None
+
+
+class _OneLayer(nn.Module):
+    def __init__(self, step, layer: nn.Module):
+        super().__init__()
+        self.step, self.layer = step, layer
+
+    def forward(self, *tensors: torch.Tensor):
+        return self.step(self.layer, *tensors)
+
+
+def layer_function(stack: LayerStack) -> ir.Function:
+    """Trace the stack's first layer on the recorded example into dspark.stamp::Layer: the step's tensors, then
+    the layer's weights, as inputs. Call within `stamped(stack)`, with the layers on the meta device."""
+    if stack.example is None or stack.step is None:
+        raise DSparkError("no layer step ran before the export: nothing to trace the layer on")
+    one = _OneLayer(stack.step, stack.layers[0])
+    cache: dict[str, torch.export.Dim] = {}
+    dims = [{axis: cache.setdefault(name, torch.export.Dim(name, min=1, max=1 << 20)) for axis, name in d.items()}
+            or None for d in stack.dims]
+    prog = torch.onnx.export(one, stack.example, dynamo=True, dynamic_shapes=(tuple(dims),), optimize=False,
+                             verbose=False, report=False)
+    graph = prog.model.graph
+    weights = []
+    for name, param in stack.layers[0].named_parameters():
+        value = graph.initializers.get(f"layer.{name}")
+        if value is None:  # unused by the step: still an input, so the calls line up
+            value = ir.Value(name=f"layer.{name}", shape=ir.Shape(list(param.shape)))
+        else:
+            del graph.initializers[value.name]
+            value.const_value = None
+        weights.append(value)
+    for name, value in list(graph.initializers.items()):  # constants the trace lifted: a function has none
+        del graph.initializers[name]
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.Tensor) and getattr(tensor.raw, "is_meta", False):
+            raise DSparkError(f"the traced layer holds a constant {name!r} with no data")
+        const = ir.node("Constant", [], attributes={"value": tensor}, name=f"{name}.const")
+        graph.insert_before(next(iter(graph)), const)
+        ir.convenience.replace_all_uses_with(value, const.outputs[0])
+        const.outputs[0].name = name
+    graph.inputs.extend(weights)
+    graph.name = OP
+    return ir.Function(DOMAIN, OP, "", graph=graph, attributes=[])
+
+
+def inline_layers(model: ir.Model, function: ir.Function) -> int:
+    """Replace every dspark.stamp::Layer call in `model` by the function's body on that call's inputs."""
+    calls = sum(1 for node in model.graph if node.domain == DOMAIN and node.op_type == OP)
+    for domain, version in function.opset_imports.items():
+        model.opset_imports.setdefault(domain, version)
+    model.functions[function.identifier()] = function
+    InlinePass(criteria=lambda f: f.domain == DOMAIN)(model)
+    model.opset_imports.pop(DOMAIN, None)
+    return calls
