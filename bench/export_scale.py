@@ -99,12 +99,13 @@ def write_drafter(target: Path, folder: Path) -> int:
     from dspark.models.drafter import DSparkDrafter, init_weights
     from dspark.models.pair import choose_mask_token
     from dspark.models.target import load_target
+    from dspark.models.tensors import CheckpointTensors
 
     loaded = load_target(str(target), lazy=True)
     cfg = draft_config_for(TargetConfig.from_dict(json.loads((target / "config.json").read_text())),
                            mask_token_id=choose_mask_token(loaded), num_layers=5, block_size=7,
                            target_layer_ids=tuple(taps(loaded.config.num_layers)), markov_rank=256)
-    tensors = loaded.lazy.tensors
+    tensors = CheckpointTensors(target)
     embed = torch.nn.Embedding.from_pretrained(tensors.read("model.embed_tokens.weight").float())
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     head.weight = embed.weight if "lm_head.weight" not in tensors else torch.nn.Parameter(

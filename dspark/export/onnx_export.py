@@ -343,7 +343,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
                 shutil.copyfile(f, tmp / f.name)
         stop_ids = ChatTokenizer(tmp).stop_ids
         if draft_vocab is not None:
-            pair.drafter.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
+            pair.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
         specs = {}
         store = WeightStore(tmp)
         try:

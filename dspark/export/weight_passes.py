@@ -42,6 +42,12 @@ def _read(value: ir.Value) -> Callable[[], torch.Tensor]:
     return lambda: torch.from_numpy(np.array(tensor.numpy()))
 
 
+def _origin(value: ir.Value) -> tuple:
+    """What `value` is made of. A constant the exporter made is no weight and is never shared: another graph's
+    "arange_1" is another tensor."""
+    return value.meta.setdefault(ORIGIN, ("constant", object()))
+
+
 def bind_weights(model: ir.Model, values: dict[str, tuple[object, Callable[[], torch.Tensor]]]) -> None:
     """Give each initializer of a meta-traced graph the tensor it stands for (read only when written)."""
     for name, value in model.graph.initializers.items():
@@ -75,7 +81,7 @@ def fold_transposes_lazily(model: ir.Model, keep: frozenset = frozenset()) -> in
         read = _read(src)
         new = ir.Value(name=f"{src.name}.T", shape=ir.Shape(shape), type=src.type)
         _bind(new, lambda r=read, p=perm: r().permute(p).contiguous())
-        new.meta[ORIGIN] = src.meta.get(ORIGIN, (src.name,)) + (("T", tuple(perm)),)
+        new.meta[ORIGIN] = _origin(src) + (("T", tuple(perm)),)
         graph.register_initializer(new)
         ir.convenience.replace_all_uses_with(node.outputs[0], new)
         graph.remove(node, safe=True)
@@ -97,7 +103,7 @@ def store_low_precision(model: ir.Model, precision: str) -> int:
             continue
         low = ir.Value(name=f"{name}.{precision}", shape=value.shape, type=ir.TensorType(IR[precision]))
         _bind(low, _read(value))  # rounded from the source dtype (a bf16 checkpoint into a bf16 bundle: as is)
-        low.meta[ORIGIN] = value.meta.get(ORIGIN, (name,)) + ((precision,),)
+        low.meta[ORIGIN] = _origin(value) + ((precision,),)
         graph.register_initializer(low)
         widened = None
         for user, idx in list(value.uses()):
@@ -142,5 +148,5 @@ def place_weights(model: ir.Model, store: WeightStore) -> None:
         if nbytes < INLINE_BYTES:
             value.const_value = ir.tensor(tensor.numpy(), name=name)
             continue
-        key = value.meta.get(ORIGIN, (name,)) + ((str(tensor.dtype),),)
+        key = _origin(value) + ((str(tensor.dtype),),)
         value.const_value = store.place(key, tensor.numpy, tensor.dtype, shape, name)

@@ -42,10 +42,9 @@ def module_values(module: torch.nn.Module, lazy: LazyWeights | None) -> dict[str
     out = {}
     for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
         if t.is_meta:
-            if lazy is None or id(t) not in lazy.keys:
+            if lazy is None or t not in lazy:
                 raise DSparkError(f"no weights for {name}: it was never loaded")
-            key = lazy.keys[id(t)]
-            out[name] = (("checkpoint", key), lambda p=t: lazy.read(p))
+            out[name] = (lazy.identity(t), lambda p=t: lazy.read(p))
         else:
             out[name] = (("memory", id(t)), lambda v=t.detach(): v)
     return out

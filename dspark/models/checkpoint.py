@@ -14,7 +14,7 @@ from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.tensors import read_shard_index
+from dspark.models.tensors import CheckpointTensors, LazyWeights, params_on_meta, read_shard_index
 from dspark.resolve import resolve_draft
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")
@@ -30,15 +30,18 @@ def read_draft_config(folder: Path) -> DraftConfig:
     return DraftConfig.from_dict(raw, f"draft config {path}")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards model-0000i-of-0000n.safetensors its index lists (checked first)."""
-    index = path.parent / WEIGHTS_INDEX
-    if not path.exists() and index.exists():
-        return _read_shards(path.parent, index)
-    if not path.exists():
+def _check_present(path: Path) -> None:
+    if not path.exists() and not (path.parent / WEIGHTS_INDEX).exists():
         pickles = [p.name for p in path.parent.glob("*.bin")] + [p.name for p in path.parent.glob("*.pt")]
         hint = f" ({', '.join(pickles)} are pickles and are never loaded)" if pickles else ""
         raise DSparkError(f"draft folder {path.parent} has no {WEIGHTS}{hint}")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards model-0000i-of-0000n.safetensors its index lists (checked first)."""
+    _check_present(path)
+    if not path.exists():
+        return _read_shards(path.parent, path.parent / WEIGHTS_INDEX)
     return _read_file(path)
 
 
@@ -93,9 +96,10 @@ def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tenso
 
 def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
                embed_tokens: torch.nn.Embedding | None = None, lm_head: torch.nn.Linear | None = None,
-               dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+               dtype: torch.dtype = torch.float32, lazy: LazyWeights | None = None) -> DSparkDrafter:
     """Load a DeepSpec draft. With a target, the draft must fit it and shares its embedding and LM head;
-    without one, the checkpoint must carry embed_tokens/lm_head itself."""
+    without one, the checkpoint must carry embed_tokens/lm_head itself. With `lazy`, the drafter's own weights
+    stay in the checkpoint (meta-device parameters registered in `lazy`), as a lazily loaded target's do."""
     folder = resolve_draft(str(name_or_path))
     cfg = read_draft_config(folder)
     if target is not None:
@@ -103,12 +107,23 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
     with torch.device("meta"):
         shape_model = DSparkDrafter(cfg)
     expected = shape_model.state_dict()
-    found = _read_tensors(folder / WEIGHTS)
+    if lazy is None:
+        found = _read_tensors(folder / WEIGHTS)
+    else:
+        _check_present(folder / WEIGHTS)
+        tensors = CheckpointTensors(folder, "draft")
+        found = {k: torch.empty(shape, device="meta") for k, shape in tensors.shapes.items()}
     _check_state(expected, found, cfg)
     if embed_tokens is None or lm_head is None:
         absent = [k for k in SHARED if k not in found]
         if absent:
             raise DSparkError(f"draft checkpoint stores no {', '.join(absent)}: load it together with its target")
+    if lazy is not None:
+        with params_on_meta():
+            drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=lm_head)
+        params = dict(drafter.named_parameters(remove_duplicate=False))
+        lazy.add_checkpoint(tensors, {k: params[k] for k in found if not (k in SHARED and embed_tokens is not None)})
+        return drafter.eval()
     drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=lm_head).to(dtype)
     own = {k: v.to(dtype) for k, v in found.items() if not (k in SHARED and embed_tokens is not None)}
     drafter.load_state_dict(own, strict=False)

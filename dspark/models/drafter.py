@@ -141,7 +141,8 @@ class DSparkDrafter(nn.Module):
         """Draft only from these token ids (None: the whole vocabulary). The heads then score just those rows of
         the LM head and the Markov bias; the distributions they return stay full-vocabulary (zero elsewhere)."""
         if ids is not None:
-            ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head.weight.device)
+            device = self.lm_head.weight.device
+            ids = torch.as_tensor(ids, dtype=torch.long, device="cpu" if device.type == "meta" else device)
         rows = (lambda w: None if ids is None else w.detach()[ids].clone())
         self.register_buffer("draft_ids", ids, persistent=False)
         self.register_buffer("draft_lm_weight", rows(self.lm_head.weight), persistent=False)

@@ -1,6 +1,7 @@
 """Load a target and its drafter together (the drafter shares the target's embedding and LM head)."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -24,6 +25,23 @@ class Pair:
     drafter: DSparkDrafter
     draft_source: str
 
+    def set_draft_vocab(self, ids) -> None:
+        """The drafter drafts from `ids` only. Its rows of the LM head and Markov matrix are gathered when read
+        if those weights are still in their checkpoints."""
+        self.drafter.set_draft_vocab(ids)
+        lazy = getattr(self.loaded, "lazy", None)
+        d = self.drafter
+        if lazy is None or ids is None:
+            return
+        rows = [(d.draft_lm_weight, d.lm_head.weight)]
+        if d.markov_head is not None:
+            rows.append((d.draft_markov_w2, d.markov_head.markov_w2.weight))
+        for buffer, weight in rows:
+            if buffer is not None and buffer.is_meta and weight in lazy:
+                ids_of = d.draft_ids.clone()
+                digest = hashlib.sha256(ids_of.numpy().tobytes()).hexdigest()
+                lazy.add(buffer, lazy.identity(weight) + (("rows", digest),), lambda w=weight, i=ids_of: lazy.read(w)[i])
+
     def realize(self, precision: str = "fp32") -> None:
         """Read every weight still on the meta device from its checkpoint and make the modules compute what a
         `precision` bundle computes (fp32 arithmetic; the weight matrices a fp16/bf16 bundle stores lower, see
@@ -43,7 +61,7 @@ class Pair:
                         if id(t) not in done:
                             done[id(t)] = (t, _realized(t, lazy, low))
                         table[key] = done[id(t)][1]
-                        if low is not None and table is m._parameters and table[key].dtype == low:
+                        if low is not None and table[key].dtype == low:  # weights and gathered rows
                             widened[(id(m), key)] = m
         for (_, key), m in widened.items():
             if isinstance(m, torch.nn.Embedding):  # widen the rows it gathers, not the whole vocabulary matrix
@@ -114,8 +132,8 @@ def random_seed(draft: str, default: int) -> int:
 
 def load_pair(target: str, draft: str, seed: int = 0, lazy: bool = False) -> Pair:
     """`draft` is a checkpoint folder, a short name, or 'random' / 'random:SEED' (an untrained drafter). With
-    lazy, the target's weights stay in its checkpoint until read (the export streams them; Pair.realize loads
-    them); the drafter's own weights are always loaded."""
+    lazy, the target's and the draft checkpoint's weights stay in their checkpoints until read (the export streams
+    them; Pair.realize loads them); a random drafter's are made in memory."""
     if draft == RANDOM or draft.startswith(RANDOM + ":"):
         seed = random_seed(draft, seed)
     else:
@@ -125,6 +143,6 @@ def load_pair(target: str, draft: str, seed: int = 0, lazy: bool = False) -> Pai
         drafter = random_drafter(loaded, seed)
     else:
         body = loaded.hf_model
-        drafter = load_draft(draft, loaded.config, body.model.embed_tokens, body.lm_head)
+        drafter = load_draft(draft, loaded.config, body.model.embed_tokens, body.lm_head, lazy=loaded.lazy)
     return Pair(loaded=loaded, target=loaded.wrapper(drafter.cfg.target_layer_ids), drafter=drafter,
                 draft_source=draft)

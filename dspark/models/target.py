@@ -197,12 +197,13 @@ def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeight
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     except Exception as e:
         raise DSparkError(f"cannot build the target from {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
-    keys = {}
-    for name, param in hf.named_parameters():  # a tied LM head is listed once, under the embedding's name
+    params = dict(hf.named_parameters())  # a tied LM head is listed once, under the embedding's name
+    for name in params:
         if name not in tensors:
             raise DSparkError(f"target checkpoint {folder} has no tensor {name}")
-        keys[id(param)] = name
-    return hf.eval(), LazyWeights(tensors, keys)
+    lazy = LazyWeights()
+    lazy.add_checkpoint(tensors, params)
+    return hf.eval(), lazy
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:

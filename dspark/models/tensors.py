@@ -2,10 +2,12 @@
 rule for which weights a fp16/bf16 bundle stores at that precision."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from dspark.errors import DSparkError
@@ -46,6 +48,7 @@ class CheckpointTensors:
     def __init__(self, folder: Path, what: str = "target"):
         self.folder, self.what = Path(folder), what
         self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if single.exists():
@@ -60,6 +63,7 @@ class CheckpointTensors:
         try:
             with safe_open(str(path), framework="pt") as f:
                 keys = set(f.keys())
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
         except (SafetensorError, OSError, ValueError) as e:
             raise DSparkError(f"{self.what} weights {path} are corrupt or not safetensors "
                               f"({str(e).splitlines()[0]})") from None
@@ -68,6 +72,7 @@ class CheckpointTensors:
                               f"places there")
         for k in keys if names is None else names:
             self.files[k] = path
+            self.shapes[k] = shapes[k]
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -77,12 +82,46 @@ class CheckpointTensors:
             return f.get_tensor(name)
 
 
-@dataclass
-class LazyWeights:
-    """Parameters left on the meta device, and the checkpoint keys that hold them (by parameter identity, so a
-    tied LM head finds the embedding it is tied to)."""
-    tensors: CheckpointTensors
-    keys: dict[int, str]
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Modules built within get their parameters on the meta device (never filled in, so never resident) and
+    their buffers (RoPE frequencies and such, computed from the config) as usual."""
+    register = nn.Module.register_parameter
 
-    def read(self, param: torch.Tensor) -> torch.Tensor:
-        return self.tensors.read(self.keys[id(param)])
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class LazyWeights:
+    """Tensors left on the meta device and how to read each one, by identity (so a tied LM head finds the
+    embedding it is tied to): the target's and the drafter's checkpoint tensors, and tensors derived from them."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, tuple[tuple, Callable[[], torch.Tensor]]] = {}
+        self.kept: list[torch.Tensor] = []  # the registered tensors themselves, so their ids stay theirs
+
+    def add(self, t: torch.Tensor, identity: tuple, read: Callable[[], torch.Tensor]) -> None:
+        self.readers[id(t)] = (identity, read)
+        self.kept.append(t)
+
+    def add_checkpoint(self, tensors: CheckpointTensors, params: dict[str, torch.Tensor]) -> None:
+        """params: checkpoint tensor name -> the meta tensor that stands for it."""
+        for name, t in params.items():
+            self.add(t, ("checkpoint", str(tensors.folder), name), lambda n=name: tensors.read(n))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return id(t) in self.readers
+
+    def identity(self, t: torch.Tensor) -> tuple:
+        return self.readers[id(t)][0]
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        return self.readers[id(t)][1]()

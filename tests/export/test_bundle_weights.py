@@ -154,3 +154,29 @@ def test_auto_weights_mode_maps_a_bundle_too_large_to_widen(bundles, monkeypatch
     assert ort_backend.weights_mode(bundle, manifest, "packed") == "packed"  # asked for: no second guessing
     with pytest.raises(DSparkError, match="unknown weights mode"):
         ort_backend.weights_mode(bundle, manifest, "fp8")
+
+
+@pytest.fixture(scope="module")
+def draft_folder(target_folder, tmp_path_factory):
+    """A DeepSpec-format drafter of the tiny target, saved in bf16 with a token ranking (draft_vocab.json)."""
+    from dspark.models.checkpoint import save_draft
+    from dspark.models.draft_vocab import write_ranking
+
+    pair = load_pair(str(target_folder), "random:9")
+    folder = save_draft(pair.drafter, tmp_path_factory.mktemp("draft") / "drafter", include_shared=False)
+    write_ranking(folder, list(range(VOCAB - 1, 0, -3)), 1000, VOCAB, "test")
+    return folder
+
+
+def test_a_draft_checkpoint_streams_like_the_target_and_shortlists(target_folder, draft_folder, tmp_path):
+    """The drafter's own weights stay in its checkpoint until written (the export holds neither model), and a
+    draft vocabulary of such a drafter gathers its rows when written: the bundle passes check. 600 ids are
+    enough that the heads' constants over them leave the graph file for weights.data."""
+    pair = load_pair(str(target_folder), str(draft_folder), lazy=True)
+    assert pair.drafter.layers[0].mlp.down_proj.weight.is_meta and pair.drafter.fc.weight.is_meta
+    assert pair.drafter.inv_freq.device.type == "cpu"  # buffers come from the config, not the checkpoint
+    bundle = export_bundle(pair, tmp_path / "bundle", max_context=128, quiet=True, precision="bf16",
+                           draft_vocab=600)
+    assert json.loads((bundle / "manifest.json").read_text())["draft"]["draft_vocab"] == 600
+    report = check_bundle(bundle)
+    assert report.passed, [r for r in report.rows if not r.passed] or report.e2e
