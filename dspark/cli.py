@@ -67,7 +67,8 @@ def export_cli():
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, precision, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
-    from dspark.export.onnx_export import Progress, check_replaceable, export_bundle
+    from dspark.export.onnx_export import check_replaceable, export_bundle
+    from dspark.export.progress import Progress
 
     check_replaceable(output, force)
     progress = Progress(5 if no_check else 6, quiet)

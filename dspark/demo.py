@@ -102,7 +102,8 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
     bundle = plan.bundle
     if plan.convert:
         say(f"converting {DEMO_TARGET} + {DEMO_DRAFT} -> {bundle} (once; a few minutes on 2 cores)")
-        from dspark.export.onnx_export import Progress, export_bundle
+        from dspark.export.onnx_export import export_bundle
+        from dspark.export.progress import Progress
         from dspark.models.pair import load_pair
 
         progress = Progress(6)

@@ -5,19 +5,13 @@ import datetime
 import importlib.metadata as md
 import logging
 import shutil
-import sys
-import threading
-import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
 import torch
-from tqdm import tqdm
 
 from dspark import __version__
 from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
@@ -26,6 +20,7 @@ from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEA
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.check import record_check_data
 from dspark.export.passes import optimize_graph
+from dspark.export.progress import Background, Progress
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
 from dspark.export.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
 from dspark.export.weights import WeightStore, module_values, traced_on_meta
@@ -36,43 +31,6 @@ from dspark.models.tensors import PRECISIONS, LazyWeights
 from dspark.ops.confidence_truncate.onnx_function import attach_functions
 from dspark.resolve import resolve_draft
 from dspark.tokenizer import ChatTokenizer
-
-
-class Progress:
-    """A line on stderr when a step starts, an elapsed-time line every `every` s while it runs past `after` s, and
-    its duration when it ends: written with tqdm.write, so they never land inside the tqdm bars of the libraries
-    a step calls (GGUF dequantization, weight loading). quiet=True prints nothing."""
-
-    def __init__(self, total: int, quiet: bool = False, after: float = 5.0, every: float | None = None):
-        self.total, self.quiet, self.i = total, quiet, 0
-        self.after = after
-        self.every = every or (10.0 if sys.stderr.isatty() else 30.0)
-
-    def say(self, line: str) -> None:
-        if not self.quiet:
-            tqdm.write(line, file=sys.stderr)
-
-    def _tick(self, label: str, t0: float, done: threading.Event) -> None:
-        wait = self.after
-        while not done.wait(wait):
-            self.say(f"{label} ... {time.perf_counter() - t0:.0f}s")
-            wait = self.every
-
-    @contextmanager
-    def step(self, what: str):
-        self.i += 1
-        label = f"[{self.i}/{self.total}] {what}"
-        self.say(label)
-        t0 = time.perf_counter()
-        done = threading.Event()
-        ticker = threading.Thread(target=self._tick, args=(label, t0, done), daemon=True)
-        if not self.quiet:
-            ticker.start()
-        try:
-            yield
-        finally:
-            done.set()
-        self.say(f"{label}: done in {time.perf_counter() - t0:.1f}s")
 
 
 @dataclass
@@ -273,29 +231,6 @@ def pair_sources(pair: Pair) -> dict:
     else:
         sources["draft"] = _source(resolve_draft(pair.draft_source), pair.draft_source)
     return sources
-
-
-class Background:
-    """fn() on a daemon thread, so an export that fails does not wait for it: hashing the checkpoints (which
-    releases the GIL) while the graphs are traced."""
-
-    def __init__(self, fn: Callable[[], object]):
-        self.value: object = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self.value = fn()
-        except BaseException as e:  # re-raised in the caller's thread by result()
-            self.error = e
-
-    def result(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...],

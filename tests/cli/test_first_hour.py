@@ -149,7 +149,7 @@ def test_gguf_cache_is_keyed_by_content_and_config_has_no_null_quantization(tmp_
 
 
 def test_export_progress_reports_elapsed_time_on_long_steps(capsys):
-    from dspark.export.onnx_export import Progress
+    from dspark.export.progress import Progress
 
     progress = Progress(2, after=0.2, every=0.2)
     with progress.step("a long step"):
