@@ -2,8 +2,9 @@
 
 For each size it writes a random target (bf16, sharded safetensors + index, real config) and a random drafter of
 the released shape (5 layers at the target's width, block 7, Markov rank 256) as a DeepSpec checkpoint, then runs
-`dspark-export onnx` in a child process under /usr/bin/time (wall time, peak RSS), and loads the bundle in a
-second child: runtime peak RSS, one autoregressive step's time, and greedy DSpark against AR on a few prompts.
+`dspark-export onnx` in a child process under /usr/bin/time (wall time, peak RSS), without check data (the work
+Edge-LLM's exporter does) and with it, and loads the bundle in a second child: runtime peak RSS, one
+autoregressive step's time, and greedy DSpark against AR on a few prompts.
 
     python bench/export_scale.py --sizes 0.6b,1.7b,4b --precision bf16 --work /tmp/scale
 """
@@ -219,6 +220,11 @@ def one_size(size: str, args, tokenizer_from: Path) -> dict:
     bundle = work / "bundle"
     cmd = [str(Path(sys.executable).with_name("dspark-export")), "onnx", "--target", str(work / "target"),
            "--draft", str(work / "draft"), "-o", str(bundle), "--precision", args.precision, "-q"]
+    same_work = work / "bundle-no-check"  # what Edge-LLM's exporter does: the graphs and weights, no check data
+    shutil.rmtree(same_work, ignore_errors=True)
+    row["export_no_check"] = timed(cmd[:cmd.index("-o") + 1] + [str(same_work)] + cmd[cmd.index("-o") + 2:]
+                                   + ["--no-check"], work / "export_no_check.log")
+    shutil.rmtree(same_work, ignore_errors=True)
     row["export"] = timed(cmd, work / "export.log")
     if row["export"]["returncode"] == 0:
         files = {p.name: p.stat().st_size for p in bundle.iterdir() if p.is_file()}
@@ -261,6 +267,9 @@ def plot(rows: list[dict], path: Path) -> None:
     x = [r["target_params"] / 1e9 for r in ok]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].plot(x, [r["export"]["wall_s"] for r in ok], "o-", label="dspark-export onnx (+ check data)")
+    same = [r for r in ok if "export_no_check" in r]
+    axes[0].plot([r["target_params"] / 1e9 for r in same], [r["export_no_check"]["wall_s"] for r in same], "o:",
+                 label="dspark-export onnx --no-check")
     if any("edgellm" in r for r in ok):
         edge = [r for r in ok if "edgellm" in r]
         axes[0].plot([r["target_params"] / 1e9 for r in edge], [r["edgellm"]["wall_s"] for r in edge], "s--",
