@@ -40,7 +40,8 @@ class Pair:
             if buffer is not None and buffer.is_meta and weight in lazy:
                 ids_of = d.draft_ids.clone()
                 digest = hashlib.sha256(ids_of.numpy().tobytes()).hexdigest()
-                lazy.add(buffer, lazy.identity(weight) + (("rows", digest),), lambda w=weight, i=ids_of: lazy.read(w)[i])
+                lazy.add(buffer, lazy.identity(weight) + (("rows", digest),),
+                         lambda w=weight, i=ids_of: lazy.read(w)[i])
 
     def realize(self, precision: str = "fp32") -> None:
         """Read every weight still on the meta device from its checkpoint and make the modules compute what a
