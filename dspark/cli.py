@@ -59,9 +59,11 @@ def export_cli():
 @click.option("--draft-vocab", type=click.IntRange(1),
               help="Draft from only this many tokens, the most frequent in the draft's training responses "
                    "(its draft_vocab.json): cheaper heads, still lossless.")
-@click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]),
+@click.option("--precision", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
               help="Stored precision of the weight matrices (the graphs compute in fp32; ONNX Runtime widens "
-                   "them once at load, TensorRT builds run them at this precision).")
+                   "them at load or maps them as they are, TensorRT builds run them at this precision). auto: the "
+                   "target checkpoint's (bf16 for a bf16 checkpoint; fp32 for GGUF and fp32 ones).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--no-check", is_flag=True, help="Skip recording reference data for `dspark-export check`.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")

@@ -263,9 +263,12 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     With check_data, the bundle also gets check/ (real graph inputs with the PyTorch outputs on them and reference
     greedy tokens) for `dspark-export check`. With draft_vocab, the heads draft from that many tokens: the stop
     tokens, then `ranking` (default: the draft checkpoint's draft_vocab.json), then by id. `precision` is the
-    stored precision of weight matrices (the graphs compute in fp32)."""
+    stored precision of weight matrices (the graphs compute in fp32); "auto" is the target checkpoint's own, so a
+    bf16 checkpoint is never doubled into fp32 on disk."""
+    if precision == "auto":
+        precision = getattr(pair.loaded, "precision", "fp32")
     if precision not in PRECISIONS:
-        raise DSparkError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+        raise DSparkError(f"unknown precision {precision!r} (choose from auto, {', '.join(PRECISIONS)})")
     output = Path(output)
     check_replaceable(output, force)
     progress = progress or Progress(6 if check_data else 5, quiet)

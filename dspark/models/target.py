@@ -137,6 +137,7 @@ class LoadedTarget:
     source: str  # what the user asked for (name or path)
     source_file: Path  # the file or folder it resolved to
     lazy: LazyWeights | None = None  # set when hf_model was built on the meta device: where its weights are
+    precision: str = "fp32"  # what its checkpoint stores its weight matrices at (known for a lazy load)
 
     def wrapper(self, tap_ids: tuple[int, ...] = ()) -> TargetModel:
         return TargetModel(self.hf_model, tap_ids).eval()
@@ -187,7 +188,7 @@ def _convert_gguf(gguf: Path) -> Path:
     return folder
 
 
-def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeights]:
+def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeights, str]:
     """The model's modules on the meta device and, per parameter, its tensor in the checkpoint (read later,
     one at a time: the export never holds the whole target)."""
     tensors = CheckpointTensors(folder)
@@ -203,7 +204,7 @@ def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeight
             raise DSparkError(f"target checkpoint {folder} has no tensor {name}")
     lazy = LazyWeights()
     lazy.add_checkpoint(tensors, params)
-    return hf.eval(), lazy
+    return hf.eval(), lazy, tensors.precision()
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:
@@ -219,9 +220,9 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: boo
             raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
     config = TargetConfig.from_dict(read_json(folder / "config.json", f"target config {folder / 'config.json'}"))
     if lazy:
-        hf, weights = _lazy_model(folder, dtype)
+        hf, weights, precision = _lazy_model(folder, dtype)
         return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path,
-                            lazy=weights)
+                            lazy=weights, precision=precision)
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     except Exception as e:

@@ -15,6 +15,7 @@ from dspark.files import read_json
 from dspark.schema import Fields, contained
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+STORED = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}  # safetensors dtype -> precision
 TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -49,6 +50,7 @@ class CheckpointTensors:
         self.folder, self.what = Path(folder), what
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if single.exists():
@@ -63,7 +65,9 @@ class CheckpointTensors:
         try:
             with safe_open(str(path), framework="pt") as f:
                 keys = set(f.keys())
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+                slices = {k: f.get_slice(k) for k in keys}
+                shapes = {k: tuple(s.get_shape()) for k, s in slices.items()}
+                dtypes = {k: s.get_dtype() for k, s in slices.items()}
         except (SafetensorError, OSError, ValueError) as e:
             raise DSparkError(f"{self.what} weights {path} are corrupt or not safetensors "
                               f"({str(e).splitlines()[0]})") from None
@@ -72,10 +76,15 @@ class CheckpointTensors:
                               f"places there")
         for k in keys if names is None else names:
             self.files[k] = path
-            self.shapes[k] = shapes[k]
+            self.shapes[k], self.dtypes[k] = shapes[k], dtypes[k]
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def precision(self) -> str:
+        """The precision its weight matrices are stored at: fp32 when they mix types or use another one."""
+        found = {STORED.get(self.dtypes[k]) for k, shape in self.shapes.items() if stored_low(shape)}
+        return found.pop() if len(found) == 1 and None not in found else "fp32"
 
     def read(self, name: str) -> torch.Tensor:
         with safe_open(str(self.files[name]), framework="pt") as f:

@@ -175,8 +175,28 @@ def test_a_draft_checkpoint_streams_like_the_target_and_shortlists(target_folder
     pair = load_pair(str(target_folder), str(draft_folder), lazy=True)
     assert pair.drafter.layers[0].mlp.down_proj.weight.is_meta and pair.drafter.fc.weight.is_meta
     assert pair.drafter.inv_freq.device.type == "cpu"  # buffers come from the config, not the checkpoint
-    bundle = export_bundle(pair, tmp_path / "bundle", max_context=128, quiet=True, precision="bf16",
+    bundle = export_bundle(pair, tmp_path / "bundle", max_context=128, quiet=True, precision="auto",
                            draft_vocab=600)
-    assert json.loads((bundle / "manifest.json").read_text())["draft"]["draft_vocab"] == 600
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["draft"]["draft_vocab"] == 600
+    assert manifest["precision"] == "bf16"  # auto: the target checkpoint's own
     report = check_bundle(bundle)
     assert report.passed, [r for r in report.rows if not r.passed] or report.e2e
+
+
+def test_a_checkpoint_knows_the_precision_of_its_matrices(tmp_path):
+    from dspark.models.tensors import CheckpointTensors
+
+    def precision(**tensors):
+        folder = tmp_path / "_".join(f"{k}{v.dtype}" for k, v in tensors.items()).replace("torch.", "")
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        return CheckpointTensors(folder).precision()
+
+    bf16, fp16, fp32 = (torch.zeros(4, 4, dtype=t) for t in (torch.bfloat16, torch.float16, torch.float32))
+    norm = torch.ones(4)  # vectors stay fp32 in every bundle: they do not decide
+    assert precision(w=bf16, v=bf16.clone(), n=norm) == "bf16"
+    assert precision(w=fp16, n=norm) == "fp16"
+    assert precision(w=fp32) == "fp32"
+    assert precision(w=bf16, v=fp16) == "fp32"  # mixed: the safe choice
+    assert precision(w=torch.zeros(4, 4, dtype=torch.int8)) == "fp32"
