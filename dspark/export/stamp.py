@@ -45,9 +45,10 @@ class LayerStack:
 
 @contextmanager
 def stamped(stack: LayerStack | None) -> Iterator[None]:
-    """Within: an eager call runs the real step (and records the first one's tensors, the example the layer is
-    traced on); a call under torch.onnx.export is one dspark.stamp::Layer node."""
-    if stack is None or not stack.stampable():
+    """For a stack the caller found stampable (None: nothing to do). Within: an eager call runs the real step
+    (and records the first one's tensors, the example the layer is traced on); a call under torch.onnx.export is
+    one dspark.stamp::Layer node."""
+    if stack is None:
         yield
         return
     step = stack.step = stack.owner.layer_step
