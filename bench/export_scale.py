@@ -224,6 +224,13 @@ def one_size(size: str, args, tokenizer_from: Path) -> dict:
     shutil.rmtree(same_work, ignore_errors=True)
     row["export_no_check"] = timed(cmd[:cmd.index("-o") + 1] + [str(same_work)] + cmd[cmd.index("-o") + 2:]
                                    + ["--no-check"], work / "export_no_check.log")
+    if size not in args.check_sizes.split(","):  # too big to record check data here: the runtime on this bundle
+        if row["export_no_check"]["returncode"] == 0:
+            row["weights_bytes"] = (same_work / "weights.data").stat().st_size
+            row["bundle_bytes"] = sum(p.stat().st_size for p in same_work.iterdir() if p.is_file())
+            row["runtime"] = runtime_figures(same_work, args.prompts)
+        shutil.rmtree(same_work, ignore_errors=True)
+        return finish(row, args, work)
     shutil.rmtree(same_work, ignore_errors=True)
     row["export"] = timed(cmd, work / "export.log")
     if row["export"]["returncode"] == 0:
@@ -234,8 +241,13 @@ def one_size(size: str, args, tokenizer_from: Path) -> dict:
         row["check"] = timed([str(Path(sys.executable).with_name("dspark-export")), "check", str(bundle)],
                              work / "check.log")
         row["runtime"] = runtime_figures(bundle, args.prompts)
+    return finish(row, args, work)
+
+
+def finish(row: dict, args, work: Path) -> dict:
     if args.edgellm:
         row["edgellm"] = edgellm_export(Path(args.edgellm), work)
+    row["measured"] = time.strftime("%Y-%m-%d %H:%M")
     print(json.dumps(row), flush=True)
     if not args.keep:
         shutil.rmtree(work / "target", ignore_errors=True)
@@ -266,7 +278,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ok = [r for r in rows if r.get("bundle_bytes")]
     x = [r["target_params"] / 1e9 for r in ok]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].plot(x, [r["export"]["wall_s"] for r in ok], "o-", label="dspark-export onnx (+ check data)")
+    checked = [r for r in ok if "export" in r]
+    xc = [r["target_params"] / 1e9 for r in checked]
+    axes[0].plot(xc, [r["export"]["wall_s"] for r in checked], "o-", label="dspark-export onnx (+ check data)")
     same = [r for r in ok if "export_no_check" in r]
     axes[0].plot([r["target_params"] / 1e9 for r in same], [r["export_no_check"]["wall_s"] for r in same], "o:",
                  label="dspark-export onnx --no-check")
@@ -278,8 +292,9 @@ def plot(rows: list[dict], path: Path) -> None:
                      label="Edge-LLM export peak RSS")
     axes[0].legend()
     axes[0].set(xlabel="target parameters (B)", ylabel="export wall time (s)")
-    axes[1].plot(x, [r["export"]["peak_rss_gb"] for r in ok], "o-", label="export peak RSS")
-    axes[1].plot(x, [r["export"].get("peak_anon_gb", float("nan")) for r in ok], "o:", label="export private memory")
+    axes[1].plot(xc, [r["export"]["peak_rss_gb"] for r in checked], "o-", label="export peak RSS (+ check data)")
+    axes[1].plot([r["target_params"] / 1e9 for r in same], [r["export_no_check"]["peak_rss_gb"] for r in same], "o:",
+                 label="export peak RSS, --no-check")
     axes[1].plot(x, [r["weights_bytes"] / 2**30 for r in ok], "s--", label="bundle weights")
     axes[1].plot(x, [r["runtime"].get("peak_rss_gb", float("nan")) for r in ok], "^-", label="runtime peak RSS")
     axes[1].set(xlabel="target parameters (B)", ylabel="GiB")
@@ -300,6 +315,9 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/dspark-export-scale")
     ap.add_argument("--keep", action="store_true", help="keep the random checkpoints (and reuse kept ones)")
     ap.add_argument("--edgellm", help="path of tensorrt-edgellm-export: run it on the same pairs for comparison")
+    ap.add_argument("--check-sizes", default="0.6b,1.7b,4b",
+                    help="sizes also exported with check data and checked (the others: --no-check export only)")
+    ap.add_argument("--merge", action="store_true", help="keep the other sizes' rows of an earlier run in --out")
     ap.add_argument("--out", default=str(ROOT / "bench/results/export_scale.json"))
     ap.add_argument("--prompts", nargs="*", default=["What is 12 times 7?", "Name three primes.",
                                                         "Write one sentence about rivers."])
@@ -307,8 +325,11 @@ def main() -> None:
     from dspark.models.target import load_target
 
     tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
+    sizes = args.sizes.split(",")
     rows = []
-    for size in args.sizes.split(","):  # the JSON is rewritten after each size: a long run keeps what it measured
+    if args.merge and Path(args.out).exists():
+        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["size"] not in sizes]
+    for size in sizes:  # the JSON is rewritten after each size: a long run keeps what it measured
         rows.append(one_size(size, args, tokenizer_from))
         rows.sort(key=lambda r: r["target_params"])
         out = write_json(args.out, {"machine": machine(), "precision": args.precision, "vocab": VOCAB, "rows": rows})

@@ -159,11 +159,8 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
     layer), bind its weights (read when written), attach the dspark function bodies, store the weights in `store`
     (by default, a data file of this graph's own) and save the graph file."""
     if store is None:
-        own = WeightStore(path.parent, f"{path.name}.data")
-        try:
+        with WeightStore(path.parent, f"{path.name}.data") as own:
             return export_graph(ex, path, own, lazy, precision, stamp)
-        finally:
-            own.close()
     module = ex.module.eval()
     values = module_values(module, lazy)
     stack = ex.stack if stamp and ex.stack is not None and ex.stack.stampable() else None
@@ -283,15 +280,12 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         if draft_vocab is not None:
             pair.set_draft_vocab(_draft_ids(pair, draft_vocab, ranking, stop_ids))
         specs = {}
-        store = WeightStore(tmp)
-        try:
+        with WeightStore(tmp) as store:
             for name, example in (("verifier", verifier_example), ("draft", draft_example),
                                   ("heads", heads_example)):
                 with progress.step(f"exporting {name}.onnx"):
                     specs[name] = export_graph(example(pair), tmp / f"{name}.onnx", store,
                                                getattr(pair.loaded, "lazy", None), precision)
-        finally:
-            store.close()
         with progress.step("writing manifest"):
             for spec in specs.values():
                 spec.sha256 = sha256_file(tmp / spec.file)

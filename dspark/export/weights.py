@@ -68,8 +68,9 @@ class WeightStore:
     """Appends tensors to one external data file, aligned, each distinct (identity, layout, dtype) once.
 
     `place` hands out the offset at once and leaves reading, converting and writing the tensor to one writer
-    thread, which works (mostly outside the GIL) while the next graph is traced. `close` waits for the writes and
-    raises the first error one of them met."""
+    thread, which works (mostly outside the GIL) while the next graph is traced. Used as a context manager: on
+    success it waits for the writes and raises the first error one of them met; when the export is failing (an
+    error, Ctrl-C) it drops the writes still queued and waits only for the one under way."""
 
     def __init__(self, folder: Path, name: str = WEIGHTS_FILE):
         self.folder, self.name = Path(folder), name
@@ -80,10 +81,19 @@ class WeightStore:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights")
         self.writes: list[Future] = []
 
-    def close(self) -> None:
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def close(self, failed: bool = False) -> None:
         try:
-            for write in self.writes:
-                write.result()
+            if failed:
+                self.writer.shutdown(wait=True, cancel_futures=True)
+            else:
+                for write in self.writes:
+                    write.result()
         finally:
             self.writer.shutdown(cancel_futures=True)
             self.file.close()

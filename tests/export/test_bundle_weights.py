@@ -200,3 +200,42 @@ def test_a_checkpoint_knows_the_precision_of_its_matrices(tmp_path):
     assert precision(w=fp32) == "fp32"
     assert precision(w=bf16, v=fp16) == "fp32"  # mixed: the safe choice
     assert precision(w=torch.zeros(4, 4, dtype=torch.int8)) == "fp32"
+
+
+def test_weight_store_drops_queued_writes_when_the_export_fails(tmp_path):
+    """A failing export (an error, Ctrl-C) waits only for the write under way, not for every queued one."""
+    import threading
+
+    import numpy as np
+
+    from dspark.export.weights import WeightStore
+
+    started, release, read = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        release.wait(5)
+        read.append("slow")
+        return np.zeros(4, np.float32)
+
+    def quick(i):
+        def array():
+            read.append(i)
+            return np.zeros(4, np.float32)
+        return array
+
+    with pytest.raises(KeyboardInterrupt):
+        with WeightStore(tmp_path) as store:
+            store.place(("slow",), slow, ir.DataType.FLOAT, [4], "slow")
+            for i in range(5):
+                store.place((i,), quick(i), ir.DataType.FLOAT, [4], f"w{i}")
+            started.wait(5)
+            threading.Timer(0.2, release.set).start()
+            raise KeyboardInterrupt
+    assert read == ["slow"]
+    assert store.file.closed
+
+    with WeightStore(tmp_path) as store:  # on success every write lands
+        for i in range(5):
+            store.place((i,), quick(i), ir.DataType.FLOAT, [4], f"w{i}")
+    assert (tmp_path / store.name).stat().st_size > 4 * 16
