@@ -5,7 +5,10 @@ for. When the drafter is weak for the current load, no verification length recov
 verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The gate makes that choice before
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
-refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning.
+refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
+survival seen lately (a slowly decaying per-position envelope of drafted rounds) could not pay at the current
+batch, the next probe waits `max_probe` rounds at once: ramping up from `probe` would pay for several probes that
+cannot change the decision (at concurrency 8 on CPU each costs about two plain rounds).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
 live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
@@ -27,13 +30,16 @@ def step_seconds(sps: np.ndarray, tokens: int) -> float:
 
 class DraftGate:
     def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
-                 max_probe: int = 32, smoothing: float = 0.3):
+                 max_probe: int = 32, smoothing: float = 0.3, envelope_decay: float = 0.98):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
         self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
+        self.best = np.zeros(block_size)  # envelope of drafted rounds' mean survival, decaying per drafted round
+        self.best_gain = np.zeros(block_size + 1)
+        self.envelope_decay = envelope_decay
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
         self.scale: float | None = None  # measured / tabled verifier step time, smoothed (None: none timed yet)
         self.live_scale = True
@@ -45,12 +51,14 @@ class DraftGate:
     def step(self, tokens: int) -> float:
         return (1.0 if self.scale is None else self.scale) * step_seconds(self.sps, tokens)
 
-    def rates(self, live: int) -> tuple[float, float]:
-        """Expected committed tokens/s of (an autoregressive step, the best common verification length)."""
+    def rates(self, live: int, gain: np.ndarray | None = None) -> tuple[float, float]:
+        """Expected committed tokens/s of (an autoregressive step, the best common verification length), with the
+        expected accepted drafts `gain` (default: from the smoothed survival)."""
+        gain = self.gain if gain is None else gain
         width = self.batch if self.layout == PADDED else live
         ar = live / self.step(width)
-        spec = max(live * (1 + self.gain[k]) / (self.draft_seconds + self.step(width * (1 + k)))
-                   for k in range(len(self.gain)))
+        spec = max(live * (1 + gain[k]) / (self.draft_seconds + self.step(width * (1 + k)))
+                   for k in range(len(gain)))
         return ar, spec
 
     def should_draft(self, live: np.ndarray) -> bool:
@@ -65,6 +73,8 @@ class DraftGate:
                 draft, self.probe = True, min(2 * self.probe, self.max_probe)
             else:
                 draft = False
+            if not draft and self.rates(n, self.best_gain)[1] < ar:  # hopeless even at the best survival seen
+                self.probe = self.max_probe
         self.skipped = 0 if draft else self.skipped + 1
         return draft
 
@@ -75,6 +85,8 @@ class DraftGate:
             first = self.draft_seconds is None
             self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean
             np.cumsum(self.survival, out=self.gain[1:])
+            np.maximum(self.best * self.envelope_decay, mean, out=self.best)
+            np.cumsum(self.best, out=self.best_gain[1:])
         self.draft_seconds = self._smooth(self.draft_seconds, seconds)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:

@@ -27,19 +27,34 @@ def test_rates_follow_the_cost_model():
     assert flat.rates(1)[0] == pytest.approx(1 / 0.1)  # flattened: only the live request's position
 
 
-def test_gate_skips_costly_drafts_and_probes_with_backoff():
-    live = np.array([True])
-    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
-    assert gate.should_draft(live)  # nothing measured yet
-    gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
+def _probes(gate, live, survival: float, seconds: float, rounds: int = 20) -> list[int]:
     pattern = []
-    for _ in range(20):
+    for _ in range(rounds):
         d = gate.should_draft(live)
         pattern.append(d)
         if d:
-            gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)
-    probes = [i for i, d in enumerate(pattern) if d]
-    assert probes == [1, 5, 13]  # after 2, then 4, then 8 rounds (capped at max_probe)
+            gate.observe(np.full((1, 4), survival), live, seconds=seconds)
+    return [i for i, d in enumerate(pattern) if d]
+
+
+def test_gate_skips_costly_drafts_and_probes_with_backoff():
+    """Drafting costs 3 verifier steps; it paid once (survival 0.9), then the drafter turns weak (0.1): the gate
+    skips, probing after 2, 4, then 8 rounds, because the survival it has seen could still pay."""
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
+    assert gate.should_draft(live)  # nothing measured yet
+    gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
+    assert gate.should_draft(live)  # it pays
+    gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
+    assert _probes(gate, live, 0.1, 0.03) == [1, 5, 13]
+
+
+def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
+    assert gate.should_draft(live)
+    gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
+    assert _probes(gate, live, 0.1, 1.0) == [7, 15]  # no ramp: max_probe rounds at once
 
 
 def test_gate_keeps_drafting_when_it_pays():
