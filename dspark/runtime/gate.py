@@ -7,8 +7,8 @@ the round from what it has seen: the mean calibrated prefix survival of recent d
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
 refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
 survival seen lately (a slowly decaying per-position envelope of drafted rounds) could not pay at the current
-batch, the next probe waits `max_probe` rounds at once: ramping up from `probe` would pay for several probes that
-cannot change the decision (at concurrency 8 on CPU each costs about two plain rounds).
+batch, probes wait `hopeless_probe` rounds: a probe that cannot change the decision is pure cost (at concurrency 8
+on CPU one costs about two plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR there).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
 live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
@@ -30,10 +30,12 @@ def step_seconds(sps: np.ndarray, tokens: int) -> float:
 
 class DraftGate:
     def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
-                 max_probe: int = 32, smoothing: float = 0.3, envelope_decay: float = 0.98):
+                 max_probe: int = 32, hopeless_probe: int = 128, smoothing: float = 0.3,
+                 envelope_decay: float = 0.98):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
         self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
+        self.hopeless_probe = max(hopeless_probe, max_probe)
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
@@ -69,14 +71,19 @@ class DraftGate:
             ar, spec = self.rates(n)
             if spec >= ar:
                 draft, self.probe = True, self.base_probe
-            elif self.skipped + 1 >= self.probe:  # probe: refresh the estimates
+            elif self.skipped + 1 >= self._probe_interval(n, ar):  # probe: refresh the estimates
                 draft, self.probe = True, min(2 * self.probe, self.max_probe)
             else:
                 draft = False
-            if not draft and self.rates(n, self.best_gain)[1] < ar:  # hopeless even at the best survival seen
-                self.probe = self.max_probe
         self.skipped = 0 if draft else self.skipped + 1
         return draft
+
+    def _probe_interval(self, live: int, ar: float) -> int:
+        """Rounds to skip before the next probe: the backed-off interval, or hopeless_probe when even the best
+        survival seen lately could not pay at this batch."""
+        if self.rates(live, self.best_gain)[1] < ar:
+            return self.hopeless_probe
+        return self.probe
 
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
         """After a drafted round: its survival [B, Bk] and what drafting + heads took."""

@@ -51,10 +51,10 @@ def test_gate_skips_costly_drafts_and_probes_with_backoff():
 
 def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
     live = np.array([True])
-    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
-    assert _probes(gate, live, 0.1, 1.0) == [7, 15]  # no ramp: max_probe rounds at once
+    assert _probes(gate, live, 0.1, 1.0, rounds=30) == [11, 23]  # no ramp: hopeless_probe rounds each time
 
 
 def test_gate_keeps_drafting_when_it_pays():
@@ -124,6 +124,7 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
     plain = rt.decoder(prompt, DecodeOptions(max_new_tokens=40))
     gated = rt.decoder(prompt, DecodeOptions(max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free)))
     gated.gate.live_scale = False  # keep the table's free verifier: measured steps would make it cost something
+    gated.gate.hopeless_probe = gated.gate.max_probe  # several probes within 40 tokens
     for dec in (plain, gated):
         for _ in dec:
             pass
