@@ -25,8 +25,10 @@ def bundle(tiny_bundle_v6):
     return tiny_bundle_v6[3]
 
 
-def decode(backend, man, prompts=PROMPTS, **options):
+def decode(backend, man, prompts=PROMPTS, prepare=None, **options):
     dec = Decoder(backend, man, prompts, DecodeOptions(**{"max_new_tokens": 24, **options}))
+    if prepare is not None:
+        prepare(dec)
     for _ in dec:
         pass
     return dec
@@ -103,7 +105,12 @@ def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
     ar = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40,
                 policy="ar")
     free = np.full(64, 1e9, dtype=np.float32)
-    gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free))
+
+    def probe_often(dec):  # several probes within 40 tokens, though no draft can pay against a free verifier
+        dec.gate.hopeless_probe = dec.gate.max_probe
+
+    gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free),
+                   prepare=probe_often)
     assert gated.results[0].token_ids == ar.results[0].token_ids
     assert 2 <= gated.times.drafted < gated.times.rounds
     assert gated.ctx.width > man.block_size + 1
