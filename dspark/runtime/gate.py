@@ -6,9 +6,9 @@ verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The g
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
 refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
-survival seen lately (a slowly decaying per-position envelope of drafted rounds) could not pay at the current
-batch, probes wait `hopeless_probe` rounds: a probe that cannot change the decision is pure cost (at concurrency 8
-on CPU one costs about two plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR there).
+survival seen lately (a slowly decaying per-position envelope of the smoothed survival) could not pay at the
+current batch, probes wait `hopeless_probe` rounds: a probe that cannot change the decision is pure cost (at
+concurrency 8 on CPU one costs about two plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
 live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
@@ -39,7 +39,7 @@ class DraftGate:
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
-        self.best = np.zeros(block_size)  # envelope of drafted rounds' mean survival, decaying per drafted round
+        self.best = np.zeros(block_size)  # envelope of the smoothed survival, decaying per drafted round
         self.best_gain = np.zeros(block_size + 1)
         self.envelope_decay = envelope_decay
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
@@ -92,7 +92,9 @@ class DraftGate:
             first = self.draft_seconds is None
             self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean
             np.cumsum(self.survival, out=self.gain[1:])
-            np.maximum(self.best * self.envelope_decay, mean, out=self.best)
+            # of the smoothed survival: a max over single rounds (one request's luck at concurrency 1) would
+            # keep a batch of 8 probing long after its mean showed drafting cannot pay
+            np.maximum(self.best * self.envelope_decay, self.survival, out=self.best)
             np.cumsum(self.best, out=self.best_gain[1:])
         self.draft_seconds = self._smooth(self.draft_seconds, seconds)
 

@@ -57,6 +57,17 @@ def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
     assert _probes(gate, live, 0.1, 1.0, rounds=30) == [11, 23]  # no ramp: hopeless_probe rounds each time
 
 
+def test_one_lucky_round_does_not_keep_the_gate_probing():
+    """Drafting pays only at survival >= 0.75; one round at 0.9 among rounds at 0.1 (one request's luck) moves the
+    smoothed survival to 0.34, so probes still wait hopeless_probe rounds."""
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
+    assert gate.should_draft(live)
+    gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
+    gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
+    assert _probes(gate, live, 0.1, 0.03, rounds=30) == [11, 23]
+
+
 def test_gate_keeps_drafting_when_it_pays():
     live = np.array([True, True])
     gate = DraftGate(np.array([100.0] * 16), block_size=4, batch=2)
