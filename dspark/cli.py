@@ -13,7 +13,7 @@ import click
 
 from dspark.cli_cache import cache_group
 from dspark.cli_demo import demo_cmd
-from dspark.cli_options import WEIGHTS_OPTION
+from dspark.cli_options import WEIGHTS_OPTION, ort_weights
 from dspark.cli_quantize import quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
@@ -196,7 +196,7 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, thresh
     options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
                             threshold_rule=threshold_rule)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
-                 weights=None if backend != "onnxruntime" else weights)
+                 weights=ort_weights(backend, weights))
     ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True), store=False)  # --gate without a table
     if as_json:
         res = rt.generate([prompt], options)[0]

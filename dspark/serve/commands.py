@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dspark.cli_options import WEIGHTS_OPTION
+from dspark.cli_options import WEIGHTS_OPTION, ort_weights
 
 POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate)."
 
@@ -45,6 +45,7 @@ def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_conte
     optional_import("fastapi", "dspark serve needs the serve extra: pip install -e '.[serve]'")
     from dspark.serve.server import ServeConfig, serve
 
+    ort_weights(backend, weights)  # refused before anything loads
     parsed = VerifyPolicy.parse(policy)
     if gate:
         parsed = VerifyPolicy.parse(f"{policy}+gate")

@@ -173,6 +173,11 @@ def test_quantize_cli_refuses_the_verifier_and_reports_what_it_did(bundle):
     one_line_error(code, out, "already quantized")
 
 
+def test_weights_mode_of_another_backend_is_refused_not_ignored(bundle):
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt", "--weights", "mapped")
+    one_line_error(code, out, "ONNX Runtime only")
+
+
 def test_run_with_the_draft_gate(bundle):
     before = (bundle / "manifest.json").read_bytes()
     code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2", "--max-new-tokens", 6, "--gate")

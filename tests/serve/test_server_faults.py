@@ -111,7 +111,8 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
     assert wait_until(lambda: server.metric("dspark_busy_slots") == 0)
 
 
-@pytest.mark.parametrize("args, says", [(["--gate"], "SPS table"), (["--policy", "sometimes"], "policy")])
+@pytest.mark.parametrize("args, says", [(["--gate"], "SPS table"), (["--policy", "sometimes"], "policy"),
+                                        (["--backend", "tensorrt", "--weights", "mapped"], "ONNX Runtime only")])
 def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, says):
     import subprocess
     import sys
