@@ -226,22 +226,24 @@ def one_size(size: str, args, tokenizer_from: Path) -> dict:
                                    + ["--no-check"], work / "export_no_check.log")
     if size not in args.check_sizes.split(","):  # too big to record check data here: the runtime on this bundle
         if row["export_no_check"]["returncode"] == 0:
-            row["weights_bytes"] = (same_work / "weights.data").stat().st_size
-            row["bundle_bytes"] = sum(p.stat().st_size for p in same_work.iterdir() if p.is_file())
+            row.update(bundle_sizes(same_work))
             row["runtime"] = runtime_figures(same_work, args.prompts)
         shutil.rmtree(same_work, ignore_errors=True)
         return finish(row, args, work)
     shutil.rmtree(same_work, ignore_errors=True)
     row["export"] = timed(cmd, work / "export.log")
     if row["export"]["returncode"] == 0:
-        files = {p.name: p.stat().st_size for p in bundle.iterdir() if p.is_file()}
-        row["bundle_bytes"] = sum(files.values())
-        row["weights_bytes"] = files.get("weights.data", 0)
+        row.update(bundle_sizes(bundle))
         row["rss_over_weights"] = round(row["export"]["peak_rss_gb"] * 2**30 / max(1, row["weights_bytes"]), 2)
         row["check"] = timed([str(Path(sys.executable).with_name("dspark-export")), "check", str(bundle)],
                              work / "check.log")
         row["runtime"] = runtime_figures(bundle, args.prompts)
     return finish(row, args, work)
+
+
+def bundle_sizes(bundle: Path) -> dict:
+    files = {p.name: p.stat().st_size for p in bundle.iterdir() if p.is_file()}
+    return {"bundle_bytes": sum(files.values()), "weights_bytes": files.get("weights.data", 0)}
 
 
 def finish(row: dict, args, work: Path) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from common import ROOT, bandwidth_gb_s, dev_rows, machine, pyplot, write_json
+from cpu_decode import decode_one
 
 
 # -- workers: one per method, in its own process --------------------------------------------------------------
@@ -38,13 +39,8 @@ class DsparkDecoder:
         self.rt, self.policy = Runtime(folder, threads=threads), policy
 
     def __call__(self, ids: list[int], max_new: int) -> dict:
-        from dspark.runtime import DecodeOptions
-
-        dec = self.rt.decoder([ids], DecodeOptions(max_new_tokens=max_new, policy=self.policy))
-        for _ in dec:
-            pass
-        res = dec.results[0]
-        return {"tokens": res.token_ids, "total_s": dec.times.total, "prefill_s": dec.times.prefill,
+        _, res, times = decode_one(self.rt, ids, max_new, policy=self.policy)
+        return {"tokens": res.token_ids, "total_s": times.total, "prefill_s": times.prefill,
                 "tau": res.tau if res.committed else None}
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from dspark.errors import DSparkError
+
 WEIGHTS_OPTION = click.option(
     "--weights", default="auto", show_default=True, type=click.Choice(["auto", "packed", "mapped"]),
     help="ONNX Runtime: packed = fp32 copies of the weights at load (fastest); mapped = used from the bundle file at "
@@ -16,7 +18,5 @@ def ort_weights(backend: str, weights: str) -> str | None:
     if backend == "onnxruntime":
         return weights
     if weights != "auto":
-        from dspark.errors import DSparkError
-
         raise DSparkError(f"--weights {weights} applies to ONNX Runtime only: {backend} engines hold their own weights")
     return None

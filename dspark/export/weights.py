@@ -89,13 +89,11 @@ class WeightStore:
 
     def close(self, failed: bool = False) -> None:
         try:
-            if failed:
-                self.writer.shutdown(wait=True, cancel_futures=True)
-            else:
+            if not failed:
                 for write in self.writes:
                     write.result()
         finally:
-            self.writer.shutdown(cancel_futures=True)
+            self.writer.shutdown(cancel_futures=True)  # drops queued writes, waits for the one under way
             self.file.close()
 
     def _write(self, array: Callable[[], np.ndarray], offset: int, length: int, name: str) -> None:

@@ -80,8 +80,9 @@ class DraftGate:
 
     def _probe_interval(self, live: int, ar: float) -> int:
         """Rounds to skip before the next probe: the backed-off interval, or hopeless_probe when even the best
-        survival seen lately could not pay at this batch."""
-        if self.rates(live, self.best_gain)[1] < ar:
+        survival seen lately could not pay at this batch (only asked once the backed-off interval is reached: it
+        is never shorter)."""
+        if self.skipped + 1 >= self.probe and self.rates(live, self.best_gain)[1] < ar:
             return self.hopeless_probe
         return self.probe
 

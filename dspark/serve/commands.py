@@ -45,14 +45,14 @@ def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_conte
     optional_import("fastapi", "dspark serve needs the serve extra: pip install -e '.[serve]'")
     from dspark.serve.server import ServeConfig, serve
 
-    ort_weights(backend, weights)  # refused before anything loads
     parsed = VerifyPolicy.parse(policy)
     if gate:
         parsed = VerifyPolicy.parse(f"{policy}+gate")
     config = ServeConfig(bundle=bundle, model_name=model_name or Path(bundle).resolve().name,
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
                                               max_context=max_context),
-                         backend=backend, threads=threads, weights=weights, grace=grace, max_connections=max_connections)
+                         backend=backend, threads=threads, weights=ort_weights(backend, weights), grace=grace,
+                         max_connections=max_connections)
     serve(config, host, port, log_level)
 
 

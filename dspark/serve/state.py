@@ -20,7 +20,7 @@ class ServeConfig:
     engine: EngineOptions = EngineOptions()
     backend: str = "onnxruntime"
     threads: int | None = None
-    weights: str = "auto"  # ONNX Runtime: packed, mapped or auto (dspark.runtime.ort_backend)
+    weights: str | None = "auto"  # ONNX Runtime: packed, mapped or auto (dspark.runtime.ort_backend); None otherwise
     grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_body_bytes: int = 1 << 20
     max_connections: int = 1024  # open connections at most (uvicorn answers 503 beyond)
@@ -45,7 +45,7 @@ class ServerState:
         """Load the bundle, start the engine and warm it up (the server answers /health 503 until then)."""
         try:
             self.runtime = Runtime(self.config.bundle, backend=self.config.backend, threads=self.config.threads,
-                                   weights=self.config.weights if self.config.backend == "onnxruntime" else None)
+                                   weights=self.config.weights)
             self.chat = ChatRenderer(self.runtime.tokenizer)
             self.engine = Engine(self.runtime, self.config.engine, observer=self.metrics).start()
             self.engine.warm_up(self.chat.encode([{"role": "user", "content": "Hello"}]))
