@@ -18,6 +18,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.data"  # the weights every graph refers to by offset (ONNX external data), each stored once
 GRAPHS = ("verifier", "draft", "heads")
+OPTIONAL_GRAPHS = ("verifier_fused",)  # ONNX Runtime's fused twin of the verifier (dspark-export fuse)
 
 
 @dataclass
@@ -148,8 +149,11 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     graphs = top.obj("graphs")
     for name in GRAPHS:
         _validate_graph(graphs.obj(name), folder)
-    for name in sorted(set(graphs.raw) - set(GRAPHS)):
-        graphs.fail(name, f"is not a graph of a bundle ({', '.join(GRAPHS)})")
+    for name in OPTIONAL_GRAPHS:
+        if graphs.has(name):
+            _validate_graph(graphs.obj(name), folder)
+    for name in sorted(set(graphs.raw) - set(GRAPHS) - set(OPTIONAL_GRAPHS)):
+        graphs.fail(name, f"is not a graph of a bundle ({', '.join(GRAPHS + OPTIONAL_GRAPHS)})")
     calibration = top.obj("calibration", default={})
     if calibration.has("sts_temperatures"):
         temps = calibration.number_list("sts_temperatures", positive=True)

@@ -14,7 +14,7 @@ import click
 from dspark.cli_cache import cache_group
 from dspark.cli_demo import demo_cmd
 from dspark.cli_options import WEIGHTS_OPTION, ort_weights
-from dspark.cli_quantize import quantize_cmd
+from dspark.cli_quantize import fuse_cmd, quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
 from dspark.serve.commands import serve_cmd, triton_cmd  # click only: the server loads inside the command
@@ -381,6 +381,7 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
 main_cli.add_command(serve_cmd)
 export_cli.add_command(triton_cmd)
 export_cli.add_command(quantize_cmd)
+export_cli.add_command(fuse_cmd)
 main_cli.add_command(cache_group)
 main_cli.add_command(demo_cmd)
 

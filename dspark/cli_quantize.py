@@ -48,3 +48,21 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
                            agreement_tokens=agreement_tokens, prompt_file=prompt_file)
     for g, rec in quantize_bundle(bundle, names + list(graphs) or ["heads"], opts).items():
         click.echo(describe_record(g, rec))
+
+
+@click.command("fuse")
+@click.argument("bundle", type=click.Path(path_type=Path))
+def fuse_cmd(bundle):
+    """Add ONNX Runtime's fused verifier to BUNDLE (GroupQueryAttention writing the KV cache in place,
+    SkipSimplifiedLayerNormalization; the same weights, no copy). `dspark run` uses it on CPU when present;
+    TensorRT builds keep the portable verifier."""
+    from dspark.bundle import Manifest
+    from dspark.export.ort_fused import fuse_bundle
+
+    had_sps = "sps_table" in Manifest.read(bundle).calibration
+    spec = fuse_bundle(bundle)
+    click.echo(f"{bundle}: added {spec.file} (ONNX Runtime only; the portable verifier stays for TensorRT and for "
+               f"multi-position steps of several requests)")
+    if had_sps:
+        click.echo(f"the SPS table was measured on the portable verifier and is dropped: run "
+                   f"`dspark calibrate --sps {bundle}`")

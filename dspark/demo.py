@@ -114,6 +114,12 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
         from dspark.export.quantize import quantize_graph
 
         quantize_graph(bundle, "heads")
+    manifest = Manifest.read(bundle)
+    if plan.managed and "verifier_fused" not in manifest.graphs:  # a demo bundle made before fused verifiers
+        from dspark.export.ort_fused import fusable, fuse_bundle
+
+        if fusable(manifest):
+            fuse_bundle(bundle)
 
 
 def best_policy(manifest: Manifest) -> tuple[str, str]:

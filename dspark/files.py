@@ -172,3 +172,16 @@ def atomic_folder(folder: Path) -> Iterator[Path]:
     except BaseException:
         tmp.remove()
         raise
+
+
+def linked_copy(folder: Path, into: Path) -> None:
+    """Every file of `folder` in `into` as a hard link (a copy where links are impossible): the new folder
+    shares what it does not change, and what it changes gets new files, so no other copy is written through."""
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(folder, into, copy_function=link, dirs_exist_ok=True)

@@ -28,7 +28,7 @@ from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
 from dspark.export.trt_lint import lint_bundle
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
-from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.ort_backend import FusedVerifier, OrtBackend
 
 CHECK_DIR = "check"
 CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"
@@ -154,6 +154,20 @@ def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dic
     return rows
 
 
+def _graph_runs(backend) -> list[tuple[str, str, object]]:
+    """(recorded graph, graph checked, its run) for each graph the backend runs: a fused verifier's portable and
+    fused graphs are both checked on the verifier's recorded calls (the fused one's new K/V read from the cache
+    it wrote them into)."""
+    runs = []
+    for name in CAPTURE:
+        graph = getattr(backend, name)
+        if isinstance(graph, FusedVerifier):
+            runs += [(name, name, graph.portable.run), (name, "verifier_fused", graph.run_gathered)]
+        else:
+            runs.append((name, name, graph.run))
+    return runs
+
+
 def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") -> CheckReport:
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
@@ -163,20 +177,19 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
     check_reference(bundle)  # the recorded data is untrusted input too (doctor reads it through here)
     rt = Runtime(bundle, weights=weights)
     rows: list[CheckRow] = []
-    for name, count in CAPTURE.items():
-        graph = getattr(rt.backend, name)
-        for i in range(count):
+    for name, label, run in _graph_runs(rt.backend):
+        for i in range(CAPTURE[name]):
             inputs, ref = check_dir / f"{name}_{i}_inputs.npz", check_dir / f"{name}_{i}_reference.npz"
             if not inputs.exists():
                 continue
             feeds = dict(np.load(inputs))
             try:
-                got = {k: v.numpy() for k, v in graph.run(feeds).items()}
+                got = {k: v.numpy() for k, v in run(feeds).items()}
             except Exception as e:  # onnxruntime's own error types: a graph that no longer takes its recorded inputs
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise DSparkError(f"{name}.onnx fails on {CHECK_DIR}/{inputs.name}: {first[:300]}") from None
+                raise DSparkError(f"{label}.onnx fails on {CHECK_DIR}/{inputs.name}: {first[:300]}") from None
             want = dict(np.load(ref))
-            compared = compare_outputs(name, f"call {i}", got, want)
+            compared = compare_outputs(label, f"call {i}", got, want)
             if name in manifest.quantized:  # 8-bit draft weights: errors are reported, losslessness is checked e2e
                 compared = [replace(r, tolerance=f"report only ({manifest.quantized[name]['bits']}-bit weights)",
                                     passed=True) for r in compared]
@@ -206,9 +219,9 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
 
 
 def format_report(rep: CheckReport) -> str:
-    lines = [f"{'graph':<9} {'call':<7} {'output':<14} {'max abs err':>12} {'max rel err':>12}  {'tolerance':<22} ok"]
+    lines = [f"{'graph':<14} {'call':<7} {'output':<14} {'max abs err':>12} {'max rel err':>12}  {'tolerance':<22} ok"]
     for r in rep.rows:
-        lines.append(f"{r.graph:<9} {r.call:<7} {r.output:<14} {r.max_abs_err:>12.3g} {r.max_rel_err:>12.3g}  "
+        lines.append(f"{r.graph:<14} {r.call:<7} {r.output:<14} {r.max_abs_err:>12.3g} {r.max_rel_err:>12.3g}  "
                      f"{r.tolerance:<22} {'yes' if r.passed else 'NO'}")
     for mode, v in rep.e2e.items():
         verdict = "equal" if v["passed"] else f"DIFFERS at token {v['first_difference']}"

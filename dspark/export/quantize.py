@@ -17,7 +17,6 @@ own new external data file `<graph file>.data`; files other graphs share are lef
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -31,12 +30,12 @@ from dspark.errors import DSparkError
 from dspark.export.agreement import measure_agreement
 from dspark.export.gguf_blocks import Q4_1_MODES, read_matrices, to_nbits
 from dspark.export.gguf_map import match_weights
+from dspark.export.ort_fused import SPS_KEYS, add_fused_verifier
 from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, materialize, probe_weight
-from dspark.files import Temporary, normal_mode, replace_folder
+from dspark.files import Temporary, linked_copy, normal_mode, replace_folder
 
 QUANTIZABLE = ("verifier", "draft", "heads")
 MIN_ELEMENTS = {"verifier": 1 << 16, "draft": 1 << 16, "heads": 1 << 20}  # smaller MatMuls stay fp32
-SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # the verifier's measured costs
 
 
 @dataclass
@@ -114,19 +113,6 @@ def _load_unlinked(bundle: Path, file: str) -> onnx.ModelProto:
         private.remove()
 
 
-def _linked_copy(bundle: Path, into: Path) -> None:
-    """Every file of the bundle in `into` as a hard link (a copy where links are impossible): the new bundle
-    shares what it does not change, and what it changes gets new files, so no other copy is written through."""
-
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(bundle, into, copy_function=link, dirs_exist_ok=True)
-
-
 def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool) -> int:
     """accuracy_level of one MatMulNBits: as asked, else int8 activations (4) for 8-bit weights, whose fp32 path
     ONNX Runtime's CPU kernel runs tens of times slower (SmolLM2's verifier step with its 8-bit LM head at
@@ -192,6 +178,7 @@ def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: Quantize
         raise DSparkError(f"cannot read {bundle / spec.file}: {str(e).splitlines()[0][:200]}") from None
     minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
     weights = constant_matmul_weights(model, minimum)
+    _name_by_weight(weights)
     if not weights:
         raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
     record = {"op": "MatMulNBits", "bits": opts.bits, "head_bits": opts.head_bits, "block_size": opts.block_size,
@@ -207,6 +194,18 @@ def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: Quantize
     record["matmulnbits"] = dict(sorted(kinds.items()))
     record["bits"] = min(int(k.split("-")[0]) for k in kinds)  # the narrowest weights the graph now holds
     return model, record
+
+
+def _name_by_weight(weights: list[ConstWeight]) -> None:
+    """Name each MatMul after its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
+    the MatMulNBits nodes replacing them keep the name, which is how dspark.export.ort_fused finds projections."""
+    taken: set[str] = set()
+    for w in weights:
+        name = f"{w.source}.matmul"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        w.node.name = name
 
 
 def _kind(node: onnx.NodeProto) -> str:
@@ -235,7 +234,7 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
     _check_options(manifest, graphs, opts)
     staging = Temporary(bundle)
     try:
-        _linked_copy(bundle, staging.path)
+        linked_copy(bundle, staging.path)
         records = {}
         for graph in graphs:
             model, record = _quantize_model(bundle, manifest, graph, opts)
@@ -249,6 +248,8 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
             if opts.agreement_prompts:
                 records["verifier"]["agreement"] = measure_agreement(
                     bundle, staging.path, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
+        if "verifier" in graphs and "verifier_fused" in manifest.graphs:
+            add_fused_verifier(staging.path, manifest)  # the old one multiplies by the fp32 weights
         manifest.quantized.update(records)
         manifest.write(staging.path)
         replace_folder(staging, bundle)

@@ -7,6 +7,16 @@ import numpy as np
 from dspark.runtime.backend import CacheLengths
 
 
+class _InCache:
+    """The new K/V of a step whose graph wrote them into the cache itself (the fused verifier): nothing to copy."""
+
+    def numpy(self) -> "_InCache":
+        return self
+
+
+IN_CACHE = _InCache()
+
+
 class HostKV(CacheLengths):
     """buffer [L, 2, B, Hkv, capacity, hd]; lengths[b] = valid prefix of request b.
 
@@ -32,6 +42,8 @@ class HostKV(CacheLengths):
     def write(self, new: np.ndarray, row: int, count: int, slot: int | None = None) -> None:
         """Store the first `count` entries of row `row` of new K/V [L, 2, B, Hkv, T, hd] after the valid prefix
         of `slot` (default: the same index) without committing them."""
+        if new is IN_CACHE:
+            return
         slot = row if slot is None else slot
         at = int(self.lengths[slot])
         self.buffer[:, :, slot, :, at:at + count] = new[:, :, row, :, :count]

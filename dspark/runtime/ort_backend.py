@@ -10,10 +10,11 @@ import onnxruntime as ort
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.backend import Backend
-from dspark.runtime.kv import HostKV, HostRows
+from dspark.runtime.kv import IN_CACHE, HostKV, HostRows
 
 
 WEIGHT_MODES = ("auto", "packed", "mapped")
+VERIFIERS = ("auto", "fused", "portable")
 FIT_SHARE = 0.6  # auto packs the weights when their fp32 copy takes at most this share of the available memory
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per stored weight (manifest.precision)
 
@@ -59,6 +60,12 @@ def _known_mode(weights: str, allowed: tuple[str, ...]) -> str:
     return weights
 
 
+def _known_choice(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise DSparkError(f"unknown {what} {value!r} (choose from {', '.join(allowed)})")
+    return value
+
+
 def _available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -88,7 +95,9 @@ class OrtGraph:
         self.name = name
         self.outputs = want_out
 
-    def run(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> dict[str, ort.OrtValue]:
+    def run(self, feeds: dict[str, np.ndarray | ort.OrtValue], into: dict[str, np.ndarray] | None = None
+            ) -> dict[str, ort.OrtValue]:
+        """`into`: outputs written into these arrays (same shape, C-contiguous) instead of new memory."""
         binding = self.session.io_binding()
         for k, v in feeds.items():
             if isinstance(v, ort.OrtValue):
@@ -96,9 +105,77 @@ class OrtGraph:
             else:
                 binding.bind_cpu_input(k, v)  # backed by the numpy buffer: no copy
         for k in self.outputs:
-            binding.bind_output(k, "cpu")
+            if into and k in into:
+                a = into[k]
+                binding.bind_output(k, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+            else:
+                binding.bind_output(k, "cpu")
         self.session.run_with_iobinding(binding)
         return dict(zip(self.outputs, binding.get_outputs()))
+
+
+class FusedVerifier:
+    """The verifier as the fused graph (dspark.export.ort_fused) where ONNX Runtime's GroupQueryAttention takes
+    the step, else the portable graph; callers see the portable verifier's outputs.
+
+    - prefill (no valid past in any row): the fused graph on an empty past; its present.* are the new K/V.
+    - one request, or one position per request: the fused graph writes the new K/V straight into the cache
+      (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
+    - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
+    """
+
+    def __init__(self, fused: OrtGraph, portable: OrtGraph):
+        self.fused, self.portable = fused, portable
+        self.layers = sum(1 for name in fused.outputs if name.startswith("present.")) // 2
+        self.steps = {"prefill": 0, "fused": 0, "portable": 0}
+
+    def run(self, feeds: dict) -> dict:
+        batch, positions = feeds["tokens"].shape
+        past = [feeds[f"past.{i}.{kind}"] for i in range(self.layers) for kind in ("key", "value")]
+        if not np.any(feeds["past_mask"]):
+            self.steps["prefill"] += 1
+            return self._prefill(feeds, past, batch)
+        if (batch == 1 or positions == 1) and all(isinstance(p, np.ndarray) and p.flags.c_contiguous
+                                                  and p.flags.writeable for p in past):
+            self.steps["fused"] += 1
+            into = {f"present.{i}.{kind}": feeds[f"past.{i}.{kind}"] for i in range(self.layers)
+                    for kind in ("key", "value")}
+            out = self.fused.run(feeds, into)
+            return {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"],
+                    "new_kv": IN_CACHE}
+        self.steps["portable"] += 1
+        return self.portable.run(feeds)
+
+    def run_gathered(self, feeds: dict) -> dict:
+        """run(), with the new K/V also returned as an array where they went into the cache (for comparisons)."""
+        out = self.run(feeds)
+        if out["new_kv"] is IN_CACHE:
+            positions = feeds["tokens"].shape[1]
+            lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
+            new = [[np.stack([feeds[f"past.{i}.{kind}"][b, :, n:n + positions] for b, n in enumerate(lengths)])
+                    for kind in ("key", "value")] for i in range(self.layers)]
+            out["new_kv"] = _HostArray(np.array(new))
+        return out
+
+    def _prefill(self, feeds: dict, past: list, batch: int) -> dict:
+        empty = np.zeros((batch, past[0].shape[1], 0, past[0].shape[3]), dtype=np.float32)
+        feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64),
+                 **{f"past.{i}.{kind}": empty for i in range(self.layers) for kind in ("key", "value")}}
+        out = self.fused.run(feeds)
+        new_kv = np.stack([np.stack([out[f"present.{i}.key"].numpy(), out[f"present.{i}.value"].numpy()])
+                           for i in range(self.layers)])
+        return {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"],
+                "new_kv": _HostArray(new_kv)}
+
+
+class _HostArray:
+    """A host array as a graph output (an OrtValue made from numpy would not keep the array alive)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def numpy(self) -> np.ndarray:
+        return self.array
 
 
 class OrtBackend(Backend):
@@ -106,12 +183,21 @@ class OrtBackend(Backend):
     graph hand-offs are host numpy arrays of any size (dspark.trt.backend.TrtBackend is the device twin)."""
 
     kind = "onnxruntime-cpu"
-    options = ("threads", "weights")
+    options = ("threads", "weights", "verifier")
 
-    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, weights: str | None = "auto"):
+    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, weights: str | None = "auto",
+                 verifier: str | None = "auto"):
+        """verifier: "auto" runs the bundle's fused verifier when it has one (dspark-export fuse), "portable"
+        never, "fused" insists on it."""
         self.weights = weights_mode(folder, manifest, weights)
         opts = session_options(threads, self.weights)
+        verifier = _known_choice(verifier or "auto", VERIFIERS, "verifier")
+        if verifier == "fused" and "verifier_fused" not in manifest.graphs:
+            raise DSparkError(f"bundle {folder} has no fused verifier; add one with `dspark-export fuse {folder}`")
         self.verifier = OrtGraph(folder, "verifier", manifest.graphs["verifier"], opts)
+        if verifier != "portable" and "verifier_fused" in manifest.graphs:
+            self.verifier = FusedVerifier(OrtGraph(folder, "verifier_fused", manifest.graphs["verifier_fused"], opts),
+                                          self.verifier)
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from dspark.bundle import Manifest
+from dspark.bundle import GRAPHS, Manifest
 from dspark.ops.scatter_rows.reference import scatter_rows
 from dspark.trt.backend import TrtBackend
 from dspark.trt.profiles import graph_profiles
@@ -233,7 +233,7 @@ def emulated_backend(folder: Path, max_batch: int = 4, max_context: int = 96,
     manifest = _engine_manifest(folder, max_batch, max_context)
     cuda = EmulatedCuda()
     profiles = graph_profiles(manifest, max_batch, max_context)
-    engines = {name: EmulatedEngine(cuda, folder, manifest, name, profiles[name]) for name in manifest.graphs}
+    engines = {name: EmulatedEngine(cuda, folder, manifest, name, profiles[name]) for name in GRAPHS}
     return TrtBackend(Path(folder), manifest, engines=engines, cuda=cuda, cuda_graphs=cuda_graphs), manifest
 
 
@@ -263,7 +263,7 @@ def device_ort_backend(cuda, folder: Path, max_batch: int = 4, max_context: int 
     """A TrtBackend on the real device (cuda: dspark.trt.cuda.CudaRuntime) with ONNX Runtime engines."""
     manifest = _engine_manifest(folder, max_batch, max_context)
     profiles = graph_profiles(manifest, max_batch, max_context)
-    engines = {name: DeviceOrtEngine(cuda, folder, manifest, name, profiles[name]) for name in manifest.graphs}
+    engines = {name: DeviceOrtEngine(cuda, folder, manifest, name, profiles[name]) for name in GRAPHS}
     backend = TrtBackend(Path(folder), manifest, engines=engines, cuda=cuda)
     for engine in engines.values():
         engine.stream = backend.device.compute

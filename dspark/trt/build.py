@@ -21,7 +21,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from dspark.bundle import Manifest, sha256_file
+from dspark.bundle import GRAPHS, Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
@@ -126,7 +126,8 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     engines_dir.mkdir(exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        for name, spec in manifest.graphs.items():
+        for name in GRAPHS:  # the portable graphs (a fused verifier is ONNX Runtime's own)
+            spec = manifest.graphs[name]
             report["engines"][name], report["plugin_layers"][name] = builder.build(name, spec, profiles[name])
             report["profiles"][name] = [{"name": profile.name, "shapes": {tensor: [list(shape) for shape in shapes]
                                          for tensor, shapes in profile.shapes.items()}} for profile in profiles[name]]

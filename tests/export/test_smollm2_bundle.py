@@ -61,3 +61,32 @@ def test_run_cli_streams_and_reports(smollm2_bundle):
                                "--max-new-tokens", "24"], capture_output=True, text=True)
     assert streamed.returncode == 0 and streamed.stdout.strip() == obj["text"].strip()
     assert "tau" in streamed.stderr and "tokens/s" in streamed.stderr
+
+
+def test_the_fused_verifier_at_batch_1_fp32_and_gguf_blocks(smollm2, smollm2_bundle, tmp_path):
+    """Batch 1 runs every step on the fused verifier (GroupQueryAttention, SkipSimplifiedLayerNormalization,
+    concatenated MatMulNBits): greedy DSpark equals its own AR, and the fp32 one equals PyTorch."""
+    from dspark.bundle import Manifest
+    from dspark.export.quantize import QuantizeOptions, quantize_bundle
+    from dspark.files import linked_copy
+    from dspark.runtime.ort_backend import FusedVerifier, OrtBackend
+
+    pair, _ = smollm2
+    gguf = tmp_path / "gguf"
+    linked_copy(smollm2_bundle, gguf)
+    quantize_bundle(gguf, ["verifier"], QuantizeOptions(agreement_prompts=0))
+    ids = None
+    for bundle in (smollm2_bundle, gguf):
+        man = Manifest.read(bundle)
+        assert "verifier_fused" in man.graphs
+        rt = Runtime(bundle, backend=OrtBackend(bundle, man, verifier="fused"))
+        assert isinstance(rt.backend.verifier, FusedVerifier)
+        ids = ids or [rt.encode(p) for p in dev_prompts(3, stride=17)]
+        options = DecodeOptions(max_new_tokens=48, batch_size=1, policy="all")
+        ds = [r.token_ids for r in rt.generate(ids, options)]
+        ar = [r.token_ids for r in rt.generate(ids, options.replace(policy="ar"))]
+        assert ds == ar
+        assert rt.backend.verifier.steps["portable"] == 0 and rt.backend.verifier.steps["fused"] > 0
+        if bundle == smollm2_bundle:
+            ref = generate_ar(pair.target, ids, 48, stop_ids=tuple(man.stop_token_ids))
+            assert ar == [r.token_ids for r in ref]

@@ -34,8 +34,8 @@ def tiny_hf(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int =
 
 def tiny_pair(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0, block_size: int = 4,
               markov_rank: int = 8, markov_head_type: str = "vanilla", draft_layers: int = 1,
-              tap_ids: tuple[int, ...] | None = None, confidence: bool = True):
-    hf = tiny_hf(family, vocab, layers, seed)
+              tap_ids: tuple[int, ...] | None = None, confidence: bool = True, hidden: int = 32):
+    hf = tiny_hf(family, vocab, layers, seed, hidden)
     target = TargetModel(hf)
     cfg = draft_config_for(target.cfg, mask_token_id=vocab - 1, num_layers=draft_layers, block_size=block_size,
                            target_layer_ids=tap_ids or tuple(range(layers - 1))[-3:], markov_rank=markov_rank,

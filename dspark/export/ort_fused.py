@@ -1,0 +1,304 @@
+"""The verifier with ONNX Runtime's fused CPU operators, for ONNX Runtime only (TensorRT keeps the portable graph).
+
+Per decoder layer: SkipSimplifiedLayerNormalization (residual add + RMSNorm in one kernel), the q/k/v projections,
+GroupQueryAttention (RoPE inside, the new K/V written straight into the caller's cache: `present.{l}.*` share the
+memory of `past.{l}.*`), the output projection, SkipSimplifiedLayerNormalization, gate/up, SiLU, down. The portable
+verifier's layer is ~90 nodes of reshapes, slices and elementwise RoPE; this one is ~12.
+
+The graph is built from the portable verifier's skeleton (no weight is read): every projection is copied as it
+stands there (a MatMul by an fp32 weight, or MatMulNBits with the Q4_1 minimum term), found by the module name its
+weight or node carries, so the fused graph uses the same weights, at the same offsets of the same data files. The
+embedding lookup and everything after the final norm (LM head, in-graph acceptance) are copied unchanged.
+
+ONNX Runtime's CPU GroupQueryAttention takes several positions per request only at batch 1 (or with an empty
+past), so the runtime uses this graph for batch-1 steps, one-position steps and prefills, and the portable verifier
+for multi-position steps of several requests (dspark.runtime.ort_backend.FusedVerifier).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
+from dspark.errors import DSparkError
+from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
+from dspark.export.graph_copy import GraphBuilder, GraphIndex
+from dspark.export.graphs import past_names
+from dspark.files import Temporary, linked_copy, normal_mode, replace_folder
+
+MS = "com.microsoft"
+SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
+TAIL_OUTPUTS = ("accepted", "next_token")
+
+
+def _norm_parts(g: GraphIndex, value: str) -> tuple[str, str] | None:
+    """(gamma, div) when `value` = gamma * (x / Sqrt(ReduceMean(x^2) + eps)), an RMSNorm as exported; else None.
+    Norms are found by this shape, not by name: the exporter stores equal weights once (a random model's norm
+    weights are all ones), under the first name that had them."""
+    node = g.producer.get(value)
+    if node is None or node.op_type != "Mul":
+        return None
+    for gamma, other in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
+        div = g.producer.get(other)
+        while div is not None and div.op_type == "Cast":
+            div = g.producer.get(div.input[0])
+        if div is not None and div.op_type == "Div" and g.root(gamma) in g.inits:
+            return gamma, div.output[0]
+    return None
+
+
+def _eps(g: GraphIndex, div: str) -> float:
+    """epsilon of an RMSNorm: x / Sqrt(ReduceMean(x^2) + eps)."""
+    sqrt = g.producer[g.producer[div].input[1]]
+    add = g.producer[sqrt.input[0]]
+    for i in add.input:
+        c = g.constant(i)
+        if c is not None:
+            return float(c.reshape(-1)[0])
+    raise DSparkError("fused verifier: cannot read the RMSNorm epsilon from the portable graph")
+
+
+def _final_norm(g: GraphIndex, linears: dict[tuple[int, str], Linear], hidden: int) -> tuple[str, str, str]:
+    """(output, gamma, div) of the final norm: the one RMSNorm over the hidden size no projection reads."""
+    inputs = {lin.x for lin in linears.values()}
+    found = []
+    for node in g.model.graph.node:
+        parts = _norm_parts(g, node.output[0]) if node.op_type == "Mul" else None
+        if parts and node.output[0] not in inputs and list(g.inits[g.root(parts[0])].dims) == [hidden]:
+            found.append((node.output[0], *parts))
+    if len(found) != 1:
+        raise DSparkError(f"fused verifier: expected one final norm in the portable graph, found {len(found)}")
+    return found[0]
+
+
+def _head_norm_gamma(g: GraphIndex, start: str, head_dim: int) -> str:
+    """Qwen3: the weight of the per-head RMSNorm applied to a q or k projection's output."""
+    frontier, seen = [start], set()
+    for _ in range(8):
+        nxt = []
+        for value in frontier:
+            for node in g.consumers.get(value, []):
+                parts = _norm_parts(g, node.output[0]) if node.op_type == "Mul" else None
+                if parts and list(g.inits[g.root(parts[0])].dims) == [head_dim]:
+                    return parts[0]
+                if node.name not in seen:
+                    seen.add(node.name)
+                    nxt += [o for o in node.output if o]
+        frontier = nxt
+    raise DSparkError("fused verifier: cannot find a Qwen3 q/k norm in the portable graph")
+
+
+def _inv_freq(g: GraphIndex) -> str:
+    """RoPE's inverse frequencies: positions * inv_freq -> Concat(freqs, freqs) -> Cos."""
+    cos = next((n for n in g.model.graph.node if n.op_type == "Cos"), None)
+    cat = g.producer.get(cos.input[0]) if cos is not None else None
+    mul = g.producer.get(cat.input[0]) if cat is not None else None
+    for i in (mul.input if mul is not None and mul.op_type == "Mul" else ()):
+        if g.root(i) in g.inits:
+            return i
+    raise DSparkError("fused verifier: cannot find RoPE's frequencies in the portable graph")
+
+
+def _weight(b: GraphBuilder, value: str) -> str:
+    """A constant of the portable graph (its pass-through chain copied), as float32."""
+    new = b.copy(value, {}, "weights")
+    root = b.g.inits[b.g.root(value)]
+    chain_casts = value != root.name and any(b.g.producer[v].op_type == "Cast" for v in _chain(b.g, value))
+    if root.data_type == TensorProto.FLOAT and not chain_casts:
+        return new
+    return b.add("Cast", [new], to=TensorProto.FLOAT)[0]
+
+
+def _chain(g: GraphIndex, value: str) -> list[str]:
+    out = []
+    while value not in g.inits:
+        out.append(value)
+        value = g.producer[value].input[0]
+    return out
+
+
+def _layer_norm_gamma(g: GraphIndex, lin: Linear) -> str:
+    parts = _norm_parts(g, lin.x)
+    if parts is None:
+        raise DSparkError("fused verifier: a layer's projections do not read an RMSNorm in the portable graph")
+    return parts[0]
+
+
+def fuse_verifier(model: onnx.ModelProto, target: dict, tap_ids: list[int], folder: Path | None = None
+                  ) -> onnx.ModelProto:
+    """The fused twin of a portable verifier (a skeleton whose external data lives in `folder`): it refers to the
+    portable graph's weights where it multiplies by them as they are, and holds new initializers only for
+    concatenated MatMulNBits projections."""
+    return _FusedVerifier(model, target, folder).build(tap_ids)
+
+
+class _FusedVerifier:
+    def __init__(self, model: onnx.ModelProto, target: dict, folder: Path | None):
+        self.model, self.g = model, GraphIndex(model)
+        self.layers, self.kv_heads, self.hd = target["num_layers"], target["num_kv_heads"], target["head_dim"]
+        if self.hd % 16:
+            raise DSparkError(f"ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple of 16 "
+                              f"(this target's is {self.hd}); the portable verifier serves it")
+        self.linears = find_linears(self.g)
+        missing = [f"layer {i} {r}" for i in range(self.layers) for r in ROLES if (i, r) not in self.linears]
+        if missing:
+            raise DSparkError(f"the verifier's projections are not named by module ({missing[0]} not found; a graph "
+                              f"quantized by dspark < 0.2 names them by node): re-export and quantize the bundle")
+        self.norm_out, self.norm_gamma, norm_div = _final_norm(self.g, self.linears, target["hidden_size"])
+        self.eps = _eps(self.g, norm_div)
+        self.qk_norm = target.get("family") == "qwen3"
+        self.b = GraphBuilder(self.g)
+        self.proj = Projections(self.b, self.linears, folder)
+
+    def build(self, tap_ids: list[int]) -> onnx.ModelProto:
+        b = self.b
+        embed = next((n for n in self.model.graph.node if n.op_type == "Gather" and n.input[1] == "tokens"), None)
+        if embed is None:
+            raise DSparkError("fused verifier: the portable graph has no embedding lookup")
+        x = b.copy(embed.output[0], {}, "embed")
+        self.attention_inputs = self._lengths_and_rope()
+        taps = {-1: x} if -1 in tap_ids else {}
+        residual, update = x, None
+        for i in range(self.layers):
+            layer_input, residual, update = self._layer(i, residual, update)
+            if i - 1 in tap_ids:  # layer i - 1's output is what layer i's fused norm adds up
+                taps[i - 1] = layer_input
+        hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4, MS,
+                       epsilon=self.eps)[0]
+        for o in TAIL_OUTPUTS:
+            b.add("Identity", [b.copy(o, {self.norm_out: hidden}, "tail")], names=[o])
+        tap_values = [taps[t] for t in tap_ids]
+        b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
+              **({"axis": -1} if len(tap_values) > 1 else {}))
+        presents = [f"present.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+        return _model(self.model, b, presents, self.hd, self.kv_heads)
+
+    def _lengths_and_rope(self) -> tuple[str, str, str, str]:
+        """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it."""
+        b = self.b
+        s_len = b.add("Shape", ["tokens"], start=1, end=2)[0]
+        one = b.const(np.array([1], np.int64), "one")
+        past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
+        last = b.add("Sub", [b.add("Add", [past_len, s_len])[0], one])[0]
+        seqlens = b.add("Cast", [last], to=TensorProto.INT32)[0]
+        total = b.add("Squeeze", [b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0], s_len])[0]])[0]
+        positions = b.add("Range", [b.const(np.array(0, np.int64), "zero"), total,
+                                    b.const(np.array(1, np.int64), "step")])[0]
+        pos_f = b.add("Unsqueeze", [b.add("Cast", [positions], to=TensorProto.FLOAT)[0], one])[0]
+        freqs = b.add("Mul", [pos_f, _weight(b, _inv_freq(self.g))])[0]
+        return seqlens, b.add("Cast", [total], to=TensorProto.INT32)[0], b.add("Cos", [freqs])[0], \
+            b.add("Sin", [freqs])[0]
+
+    def _layer(self, i: int, residual: str, update: str | None) -> tuple[str, str, str]:
+        """Decoder layer i on the residual stream (plus the previous layer's update, added by the fused norm);
+        returns (its input: the previous layer's output, the stream after its attention, its MLP's update)."""
+        b, proj, eps = self.b, self.proj, self.eps
+        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "q_proj")]))
+        if update is None:
+            h = b.add("SimplifiedLayerNormalization", [residual, gamma], axis=-1, epsilon=eps)[0]
+        else:
+            h, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [update, residual, gamma], 4, MS,
+                                      epsilon=eps)
+        layer_input = residual
+        qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
+        if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
+            q, k, v = qkv, "", ""
+        else:
+            q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
+            if self.qk_norm:
+                q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
+        attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
+                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"],
+                     num_heads=self.linears[(i, "q_proj")].out_features // self.hd, kv_num_heads=self.kv_heads,
+                     do_rotary=1, rotary_interleaved=0, scale=float(self.hd) ** -0.5)[0]
+        o, = proj(i, ("o_proj",), attn)
+        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
+        h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS, epsilon=eps)
+        gate, up = proj(i, ("gate_proj", "up_proj"), h2)
+        act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
+        return layer_input, residual, proj(i, ("down_proj",), act)[0]
+
+    def _head_norm(self, v: str, i: int, role: str) -> str:
+        """Qwen3's per-head RMSNorm of q and k."""
+        b, hd = self.b, self.hd
+        gamma = _weight(b, _head_norm_gamma(self.g, self.linears[(i, role)].y, hd))
+        shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
+        normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
+        return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
+
+
+def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int) -> onnx.ModelProto:
+    outputs = {o.name: o for o in old.graph.output}
+    new_outputs = [outputs[name] for name in (*TAIL_OUTPUTS, "taps")]
+    for name in presents:
+        new_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", kv_heads, "present", hd]))
+    graph = helper.make_graph(b.nodes, "verifier_fused", list(old.graph.input), new_outputs,
+                              initializer=list(b.inits.values()))
+    opsets = {o.domain: o.version for o in old.opset_import}
+    opsets[MS] = 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    model.ir_version = old.ir_version
+    return model
+
+
+def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int) -> GraphSpec:
+    """The manifest entry: the portable verifier's inputs; its outputs but the caches' present.* for new_kv."""
+    outputs = [t for t in portable.outputs if t.name != "new_kv"]
+    outputs += [TensorSpec(name.replace("past", "present", 1), "float32", ["batch", kv_heads, "present", hd])
+                for name in past_names("past", layers)]
+    return GraphSpec(file=file, inputs=list(portable.inputs), outputs=outputs)
+
+
+FUSED_FILE = "verifier_fused.onnx"
+
+
+def fusable(manifest: Manifest) -> bool:
+    """Whether ONNX Runtime's CPU GroupQueryAttention takes this target (head_dim a multiple of 16)."""
+    return manifest.target["head_dim"] % 16 == 0
+
+
+def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:
+    """Write the fused twin of folder's verifier next to it (sharing its data files) and enter it in `manifest`
+    (the caller writes the manifest). The verifier is read as a skeleton: no weight is loaded."""
+    spec = manifest.graphs["verifier"]
+    path = Manifest.path(folder, spec.file)
+    try:
+        portable = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf errors
+        raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    t = manifest.target
+    model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent)
+    for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
+        (folder / name).unlink(missing_ok=True)  # may be a hard link into another copy of the bundle
+    onnx.save(model, str(folder / FUSED_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{FUSED_FILE}.data", size_threshold=1024)  # only its new (concatenated) weights
+    for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
+        if (folder / name).exists():
+            normal_mode(folder / name)
+    fused = fused_spec(spec, FUSED_FILE, t["num_layers"], t["num_kv_heads"], t["head_dim"])
+    fused.sha256 = sha256_file(folder / FUSED_FILE)
+    manifest.graphs["verifier_fused"] = fused
+    return fused
+
+
+def fuse_bundle(bundle: Path) -> GraphSpec:
+    """`dspark-export fuse`: add the fused verifier to BUNDLE, in a linked copy that replaces it in one step. The
+    SPS table (verifier step costs measured on the portable graph) is dropped, as quantizing the verifier does."""
+    bundle = Path(bundle)
+    manifest = Manifest.read(bundle)
+    staging = Temporary(bundle)
+    try:
+        linked_copy(bundle, staging.path)
+        spec = add_fused_verifier(staging.path, manifest)
+        for key in SPS_KEYS:  # measured on the old verifier steps
+            manifest.calibration.pop(key, None)
+        manifest.write(staging.path)
+        replace_folder(staging, bundle)
+    except BaseException:
+        staging.remove()
+        raise
+    return spec

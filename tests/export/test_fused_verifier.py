@@ -1,0 +1,178 @@
+"""ONNX Runtime's fused verifier (dspark-export fuse): GroupQueryAttention writing the cache in place,
+SkipSimplifiedLayerNormalization, the same weights as the portable verifier. Decoding with it gives the portable
+verifier's tokens, greedy DSpark equals its own AR, and steps it cannot take fall back to the portable graph."""
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from dspark.bundle import Manifest, sha256_file
+from dspark.cli import export_cli
+from dspark.errors import DSparkError
+from dspark.export.ort_fused import FUSED_FILE, fuse_bundle
+from dspark.export.quantize import QuantizeOptions, quantize_bundle
+from dspark.files import linked_copy
+from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.ort_backend import FusedVerifier, OrtBackend
+from support.tiny import tiny_bundle
+from test_bundle_tiny import prompts
+
+
+def _runtime(bundle: Path, verifier: str) -> Runtime:
+    return Runtime(bundle, backend=OrtBackend(bundle, Manifest.read(bundle), verifier=verifier))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def fused(request, tmp_path_factory):
+    """A tiny pair of each family (Qwen3: per-head q/k norms) with a fused verifier (head_dim 16: the least
+    GroupQueryAttention takes)."""
+    root = tmp_path_factory.mktemp(f"fused-{request.param}")
+    *_, bundle = tiny_bundle(root / "bundle", family=request.param, vocab=24, layers=3, block_size=4, seed=5,
+                             hidden=64)
+    fuse_bundle(bundle)
+    return bundle
+
+
+def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused):
+    man = Manifest.read(fused)
+    spec = man.graphs["verifier_fused"]
+    assert spec.file == FUSED_FILE and spec.sha256 == sha256_file(fused / FUSED_FILE)
+    assert [t.name for t in spec.inputs] == [t.name for t in man.graphs["verifier"].inputs]
+    assert [t.name for t in spec.outputs][:3] == ["accepted", "next_token", "taps"]
+    assert sum(t.name.startswith("present.") for t in spec.outputs) == 2 * man.target["num_layers"]
+    model = onnx.load(str(fused / FUSED_FILE), load_external_data=False)
+    ops = Counter(n.op_type for n in model.graph.node)
+    layers = man.target["num_layers"]
+    assert ops["GroupQueryAttention"] == layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
+    portable = onnx.load(str(fused / "verifier.onnx"), load_external_data=False)
+    assert len(model.graph.node) < len(portable.graph.node) / 2
+    stored = {t.name for t in portable.graph.initializer if t.external_data}
+    assert {t.name for t in model.graph.initializer if t.external_data} <= stored  # no weight is copied
+    assert (fused / FUSED_FILE).stat().st_size < 200_000
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_fused_verifier_decodes_the_portable_verifiers_tokens(fused, temperature):
+    ps = prompts(6, seed=3)
+    options = DecodeOptions(max_new_tokens=16, batch_size=1, temperature=temperature, seed=7)
+    rt = _runtime(fused, "fused")
+    assert isinstance(rt.backend.verifier, FusedVerifier)
+    ds = [r.token_ids for r in rt.generate(ps, options)]
+    assert ds == [r.token_ids for r in _runtime(fused, "portable").generate(ps, options)]
+    if temperature == 0.0:
+        assert ds == [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
+    steps = rt.backend.verifier.steps
+    assert steps["prefill"] > 0 and steps["fused"] > 0 and steps["portable"] == 0  # batch 1: every step fused
+
+
+def test_several_requests_fall_back_to_the_portable_graph_for_multi_position_steps(fused):
+    ps = prompts(5, seed=4)
+    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    rt = _runtime(fused, "auto")
+    batched = [r.token_ids for r in rt.generate(ps, options)]
+    steps = dict(rt.backend.verifier.steps)
+    assert steps["portable"] > 0 and steps["fused"] == 0  # drafted rounds of 3 requests: portable
+    assert batched == [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
+    assert rt.backend.verifier.steps["fused"] > 0 and rt.backend.verifier.steps["portable"] == steps["portable"]
+    assert batched == [r.token_ids for r in _runtime(fused, "portable").generate(ps, options)]
+
+
+def test_a_fused_step_writes_the_new_entries_into_the_cache(fused):
+    """The same step through both graphs: the fused one leaves in the cache what the portable one returns."""
+    rt = _runtime(fused, "fused")
+    dec = rt.decoder([prompts(1, seed=8)[0]], DecodeOptions(max_new_tokens=4))
+    next(iter(dec))  # prefill
+    kv = dec.kv
+    length = int(kv.lengths[0])
+    before = kv.buffer.copy()
+    tokens = np.array([[3, 5, 7]], dtype=np.int64)
+    feeds = {"tokens": tokens, "past_mask": kv.past_mask(), "logit_index": np.arange(3)[None],
+             "verify_len": np.array([2]), "temperature": np.zeros(1, np.float32),
+             "accept_noise": np.full((1, 3), 0.5, np.float32), "sample_noise": np.full(1, 0.5, np.float32),
+             "draft_probs": np.zeros((1, 2, rt.manifest.target["vocab_size"]), np.float32), **kv.feeds}
+    portable = rt.backend.verifier.portable.run(feeds)
+    fused_out = rt.backend.verifier.run(feeds)
+    new = portable["new_kv"].numpy()[:, :, 0]
+    assert np.allclose(kv.buffer[:, :, 0, :, length:length + 3], new, atol=1e-4)
+    assert np.array_equal(kv.buffer[:, :, 0, :, :length], before[:, :, 0, :, :length])  # the past is untouched
+    assert int(kv.lengths[0]) == length  # written, not committed
+    assert fused_out["next_token"].numpy().tolist() == portable["next_token"].numpy().tolist()
+
+
+def test_quantizing_the_verifier_rebuilds_its_fused_twin(fused, tmp_path):
+    q = tmp_path / "q"
+    linked_copy(fused, q)
+    old = sha256_file(q / FUSED_FILE)
+    quantize_bundle(q, ["verifier"], QuantizeOptions(bits=8, min_elements=0, agreement_prompts=0))
+    man = Manifest.read(q)
+    assert man.graphs["verifier_fused"].sha256 == sha256_file(q / FUSED_FILE) != old
+    ops = Counter(n.op_type for n in onnx.load(str(q / FUSED_FILE), load_external_data=False).graph.node)
+    layers = man.target["num_layers"]
+    # q/k/v and gate/up each one MatMulNBits over concatenated blocks (stored beside the graph), o and down, head
+    assert ops["MatMulNBits"] == 4 * layers + 1 and ops["MatMul"] == 0
+    assert ops["Split"] == layers * (2 if man.target["family"] == "qwen3" else 1)  # llama: q/k/v stay packed
+    assert (q / f"{FUSED_FILE}.data").stat().st_size > 0
+    assert sha256_file(fused / FUSED_FILE) == old  # the source bundle is untouched
+    ps = prompts(4, seed=6)
+    options = DecodeOptions(max_new_tokens=16, batch_size=1)
+    rt = _runtime(q, "fused")
+    assert [r.token_ids for r in rt.generate(ps, options)] == \
+        [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
+
+
+def test_fuse_refuses_a_verifier_it_cannot_map(fused, tmp_path):
+    """A verifier whose projections are not named by module (as dspark < 0.2 quantized them): one line."""
+    bad = tmp_path / "bad"
+    linked_copy(fused, bad)
+    model = onnx.load(str(bad / "verifier.onnx"), load_external_data=False)
+    for init in model.graph.initializer:
+        init.name = init.name.replace("q_proj", "qq")
+    for node in model.graph.node:
+        node.input[:] = [i.replace("q_proj", "qq") for i in node.input]
+    (bad / "verifier.onnx").unlink()
+    onnx.save(model, str(bad / "verifier.onnx"))
+    with pytest.raises(DSparkError, match="not named by module"):
+        fuse_bundle(bad)
+    res = CliRunner().invoke(export_cli, ["fuse", str(bad)])
+    assert res.exit_code != 0 and "not named by module" in res.output and "Traceback" not in res.output
+    assert "verifier_fused" in Manifest.read(bad).graphs  # unchanged: the old fused graph is still there
+
+
+def test_a_bundle_without_a_fused_verifier_refuses_verifier_fused(tmp_path):
+    *_, bundle = tiny_bundle(tmp_path / "plain", family="llama", vocab=12, layers=2, block_size=3, seed=2)
+    with pytest.raises(DSparkError, match="multiple of 16"):
+        fuse_bundle(bundle)  # head_dim 8
+    with pytest.raises(DSparkError, match="dspark-export fuse"):
+        OrtBackend(bundle, Manifest.read(bundle), verifier="fused")
+    with pytest.raises(DSparkError, match="unknown verifier"):
+        OrtBackend(bundle, Manifest.read(bundle), verifier="fast")
+
+
+def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch):
+    """A GGUF target's Q4_1/Q4_0 blocks: the fused graph concatenates q/k/v and gate/up blocks and their Q4_1
+    minimum terms, and computes what the portable quantized graph computes."""
+    import test_quantize_verifier as gguf_tests
+
+    if Manifest.read(fused).target["family"] != "llama":
+        pytest.skip("the GGUF writer of these tests names llama tensors")
+    q = tmp_path / "gguf"
+    shutil.copytree(fused, q)  # a real copy: make_gguf_target reads the weights with onnx, which refuses links
+    monkeypatch.setattr(gguf_tests, "V", Manifest.read(fused).target["vocab_size"])
+    gguf_tests.make_gguf_target(q, tmp_path / "tiny.gguf")
+    records = quantize_bundle(q, ["verifier"], QuantizeOptions(bits=4, min_elements=0, agreement_prompts=0))
+    assert records["verifier"]["gguf_blocks"]["formats"]["Q4_1"] > 0
+    model = onnx.load(str(q / FUSED_FILE), load_external_data=False)
+    ops = Counter(n.op_type for n in model.graph.node)
+    layers = Manifest.read(q).target["num_layers"]
+    assert ops["MatMulNBits"] == 4 * layers + 1 and ops["ReduceSum"] >= 3 * layers  # minimum terms' block sums
+    ps = prompts(4, seed=12)
+    options = DecodeOptions(max_new_tokens=16, batch_size=1)
+    fused_rt, portable_rt = _runtime(q, "fused"), _runtime(q, "portable")
+    got = [r.token_ids for r in fused_rt.generate(ps, options)]
+    assert got == [r.token_ids for r in fused_rt.generate(ps, options.replace(policy="ar"))]
+    assert got == [r.token_ids for r in portable_rt.generate(ps, options)]
+    assert fused_rt.backend.verifier.steps["fused"] > 0
