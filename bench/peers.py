@@ -5,7 +5,8 @@ of a shared VM's speed hits them alike):
 
   llama.cpp       llama-cpp-python on the GGUF the bundle was converted from (--gguf; its own quantization)
   genai-LABEL     an ONNX Runtime GenAI model folder made by its builder (--genai LABEL=FOLDER)
-  dspark-LABEL    a dspark bundle (--bundle LABEL=FOLDER), autoregressive and with DSpark (--policy), each a method
+  dspark-LABEL    a dspark bundle (--bundle LABEL=FOLDER), autoregressive and with DSpark (--policy), each a method;
+                  with --portable, a bundle with a fused verifier also runs on its portable one ("LABEL portable")
 
 Greedy, batch 1, the chat template applied once by the first bundle's tokenizer; every method stops at the bundle's
 stop tokens or --max-new-tokens. Reported per method: tokens/s (median over prompts) with the prefill included and
@@ -33,10 +34,13 @@ from cpu_decode import decode_one
 # -- workers: one per method, in its own process --------------------------------------------------------------
 
 class DsparkDecoder:
-    def __init__(self, folder: str, policy: str, threads: int):
+    def __init__(self, folder: str, policy: str, threads: int, verifier: str = "auto"):
+        from dspark.bundle import Manifest
         from dspark.runtime import Runtime
+        from dspark.runtime.ort_backend import OrtBackend
 
-        self.rt, self.policy = Runtime(folder, threads=threads), policy
+        backend = OrtBackend(Path(folder), Manifest.read(Path(folder)), threads=threads, verifier=verifier)
+        self.rt, self.policy = Runtime(folder, backend=backend), policy
 
     def __call__(self, ids: list[int], max_new: int) -> dict:
         _, res, times = decode_one(self.rt, ids, max_new, policy=self.policy)
@@ -107,13 +111,13 @@ def worker(kind: str, args: tuple, conn) -> None:
 
 # -- the physical floor ----------------------------------------------------------------------------------------
 
-def bundle_step_bytes(folder: Path) -> int:
-    """Weight bytes one autoregressive verifier step reads: every initializer of verifier.onnx (external data
+def bundle_step_bytes(folder: Path, graph: str = "verifier.onnx") -> int:
+    """Weight bytes one autoregressive verifier step reads: every initializer of the graph (external data
     included) except the embedding table, of which it reads one row (a tied LM head reads the same table: counted
     then). Initializers are counted once per stored span."""
     import onnx
 
-    model = onnx.load(str(folder / "verifier.onnx"), load_external_data=False)
+    model = onnx.load(str(folder / graph), load_external_data=False)
     gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     read_elsewhere = {i for n in model.graph.node if n.op_type != "Gather" for i in n.input}
     spans, total = set(), 0
@@ -158,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--portable", action="store_true",
+                    help="Also run each bundle that has a fused verifier on its portable verifier")
     ap.add_argument("--out", default=str(ROOT / "bench/results/peers.json"))
     args = ap.parse_args()
 
@@ -177,9 +183,15 @@ def main() -> None:
     methods: dict[str, tuple[str, tuple]] = {}
     floors: dict[str, int] = {}
     for label, folder in bundles.items():
-        methods[f"dspark-{label} AR"] = ("dspark", (folder, "ar", args.threads))
-        methods[f"dspark-{label} DSpark"] = ("dspark", (folder, args.policy, args.threads))
-        floors[f"dspark-{label} AR"] = floors[f"dspark-{label} DSpark"] = bundle_step_bytes(Path(folder))
+        fused = "verifier_fused" in Manifest.read(Path(folder)).graphs
+        variants = [("", "auto", "verifier_fused.onnx" if fused else "verifier.onnx")]
+        if fused and args.portable:
+            variants.append((" portable", "portable", "verifier.onnx"))
+        for suffix, verifier, graph in variants:
+            for mode, policy in (("AR", "ar"), ("DSpark", args.policy)):
+                name = f"dspark-{label}{suffix} {mode}"
+                methods[name] = ("dspark", (folder, policy, args.threads, verifier))
+                floors[name] = bundle_step_bytes(Path(folder), graph)
     if gguf:
         methods["llama.cpp"] = ("llama.cpp", (gguf, args.threads, stop, args.context))
         floors["llama.cpp"] = gguf_step_bytes(Path(gguf))

@@ -13,6 +13,9 @@ Speculation pays only if verifying k positions costs little more than 1. Variant
   gguf-acc0-head0  fp32 activations everywhere (the 8-bit head's fp32 path is slow on CPU)
   gguf-floatzp     Q4_1 as MatMulNBits floating zero points (-m/d): the op's own asymmetric form
 
+Each variant whose bundle has a fused verifier (dspark-export fuse; the fp32 variant gets one in --work when the
+bundle has none) is also measured on it, as "NAME+fused": the step the runtime takes at batch 1.
+
 Variants take turns repetition by repetition (a shared VM's drift hits all alike); each step runs after a past
 of --past positions; medians. Also stores each variant's top-1 agreement with fp32 (from its manifest), its
 verifier's bytes on disk, the machine's copy bandwidth, and for --exactness variants whether greedy DSpark
@@ -41,7 +44,8 @@ from dspark.export.agreement import spread
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.kv import HostKV
-from dspark.runtime.ort_backend import OrtGraph, session_options
+from dspark.export.ort_fused import fuse_bundle
+from dspark.runtime.ort_backend import FusedVerifier, OrtBackend, OrtGraph, session_options
 
 VARIANTS = {
     "fp32": None,
@@ -60,25 +64,41 @@ EXACTNESS = "fp32,q8,q4-asym16,q4-asym32-acc0,gguf,gguf-acc4"
 
 def build(source: Path, work: Path, name: str, agreement: dict) -> Path:
     if VARIANTS[name] is None:
-        return source
+        return fused_copy(source, work / name)
     out = work / name
     if out.exists() and "verifier" in Manifest.read(out).quantized:
         return out
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(source, out, copy_function=os.link)
+    shutil.copytree(fused_copy(source, work / "fp32"), out, copy_function=os.link)
     t0 = time.perf_counter()
     quantize_bundle(out, ["verifier"], replace(VARIANTS[name], **agreement))
     print(f"built {name} in {time.perf_counter() - t0:.0f}s", flush=True)
     return out
 
 
+def fused_copy(source: Path, out: Path) -> Path:
+    """The bundle itself when it has a fused verifier, else a linked copy with one (the quantized variants are
+    made from it, so quantizing rebuilds theirs)."""
+    if "verifier_fused" in Manifest.read(source).graphs:
+        return source
+    if not (out.exists() and "verifier_fused" in Manifest.read(out).graphs):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(source, out, copy_function=os.link)
+        fuse_bundle(out)
+    return out
+
+
 class Step:
     """One variant's verifier graph, a KV cache at --past and the feeds of a step over n positions."""
 
-    def __init__(self, folder: Path, past: int, positions: list[int], threads: int | None):
+    def __init__(self, folder: Path, past: int, positions: list[int], threads: int | None, fused: bool = False):
         self.manifest = Manifest.read(folder)
         t = self.manifest.target
-        self.graph = OrtGraph(folder, "verifier", self.manifest.graphs["verifier"], session_options(threads))
+        opts = session_options(threads)
+        self.graph = OrtGraph(folder, "verifier", self.manifest.graphs["verifier"], opts)
+        if fused:  # in place: the step writes its K/V after the (uncommitted) past, as the runtime's does
+            self.graph = FusedVerifier(OrtGraph(folder, "verifier_fused", self.manifest.graphs["verifier_fused"],
+                                                opts), self.graph)
         cache = HostKV(t["num_layers"], 1, t["num_kv_heads"], past + max(positions) + 1, t["head_dim"])
         cache.commit(0, past)
         probs = np.zeros((1, self.manifest.block_size, t["vocab_size"]), np.float32)
@@ -90,17 +110,22 @@ class Step:
         return time.perf_counter() - t0
 
     def verifier_bytes(self, folder: Path) -> int:
+        """The verifier's own files (a fused verifier's: its graph and concatenated weights, on top)."""
         spec = self.manifest.graphs["verifier"]
         return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith(spec.file))
 
 
-def exactness(folder: Path, prompts: int, tokens: int) -> dict:
-    """Greedy DSpark (every draft verified) vs the same bundle's autoregressive decoding, prompt by prompt."""
+def exactness(folder: Path, prompts: int, tokens: int, fused: bool = False) -> dict:
+    """Greedy DSpark (every draft verified) vs the same bundle's autoregressive decoding, prompt by prompt (all
+    prompts in one batch on the portable verifier; one at a time on the fused one, where it takes every step)."""
     rows = spread(read_prompts(default_prompts_path()), prompts)
-    with Runtime(folder) as rt:
+    manifest = Manifest.read(folder)
+    backend = OrtBackend(folder, manifest, verifier="fused" if fused else "portable")
+    batch = 1 if fused else None
+    with Runtime(folder, backend=backend) as rt:
         ids = [rt.encode(r["prompt"]) for r in rows]
-        ar = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="ar"))
-        ds = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="all"))
+        ar = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="ar", batch_size=batch))
+        ds = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="all", batch_size=batch))
     equal = [a.token_ids == d.token_ids for a, d in zip(ar, ds)]
     return {"equal": sum(equal), "prompts": len(equal), "tokens": tokens,
             "tau": round(float(np.mean([d.tau for d in ds])), 3)}
@@ -161,6 +186,10 @@ def main() -> None:
     folders = {n: build(Path(args.bundle), work, n, {"agreement_prompts": args.agreement_prompts,
                                                          "agreement_tokens": args.agreement_tokens}) for n in names}
     steps = {n: Step(folders[n], args.past, positions, args.threads) for n in names}
+    for n in names:
+        if "verifier_fused" in Manifest.read(folders[n]).graphs:
+            steps[f"{n}+fused"] = Step(folders[n], args.past, positions, args.threads, fused=True)
+            folders[f"{n}+fused"] = folders[n]
     times = measure(steps, positions, args.reps)
     summary = summarize(times, positions)
     for name, step in steps.items():
@@ -169,15 +198,17 @@ def main() -> None:
         summary[name]["agreement_with_fp32"] = record.get("agreement")
         summary[name]["max_abs_weight_diff"] = (record.get("gguf_blocks") or {}).get("max_abs_weight_diff")
         summary[name]["matmulnbits"] = record.get("matmulnbits")
-    for name in [n for n in args.exactness.split(",") if n in steps]:
-        summary[name]["dspark_equals_ar"] = exactness(folders[name], args.exactness_prompts, args.exactness_tokens)
+    checked = [n for n in args.exactness.split(",") if n in steps]
+    for name in checked + [f"{n}+fused" for n in checked if f"{n}+fused" in steps]:
+        summary[name]["dspark_equals_ar"] = exactness(folders[name], args.exactness_prompts, args.exactness_tokens,
+                                                      fused=name.endswith("+fused"))
         print(name, summary[name]["dspark_equals_ar"], flush=True)
     result = {"machine": machine(), "bundle": str(args.bundle), "past": args.past, "reps": args.reps,
               "threads": args.threads or os.cpu_count(), "copy_bandwidth_gb_s": round(bandwidth_gb_s(), 1),
               "variants": summary, "raw_s": {k: {str(n): v for n, v in t.items()} for k, t in times.items()}}
-    print(f"{'variant':<14} " + " ".join(f"{f'{n} pos ms':>10}" for n in positions) + "  ratio 8/1  ms/pos@max")
+    print(f"{'variant':<20} " + " ".join(f"{f'{n} pos ms':>10}" for n in positions) + "  ratio 8/1  ms/pos@max")
     for name, s in summary.items():
-        print(f"{name:<14} " + " ".join(f"{s['median_ms'][str(n)]:>10.2f}" for n in positions)
+        print(f"{name:<20} " + " ".join(f"{s['median_ms'][str(n)]:>10.2f}" for n in positions)
               + f"  {s['ratio_to_1'][str(positions[-1])]:>9.2f}  {s['ms_per_position'][str(positions[-1])]:>10.2f}")
     print(f"wrote {write_json(args.out, result)}")
 
