@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -124,10 +126,18 @@ class FusedVerifier:
     - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
     """
 
-    def __init__(self, fused: OrtGraph, portable: OrtGraph):
-        self.fused, self.portable = fused, portable
+    def __init__(self, fused: OrtGraph, portable: OrtGraph | Callable[[], OrtGraph]):
+        """portable: the graph, or what loads it when a step first needs it (a batch-1 session never does, and
+        each ONNX Runtime session holds its own copy of the weights it prepacks)."""
+        self.fused, self._portable = fused, portable
         self.layers = sum(1 for name in fused.outputs if name.startswith("present.")) // 2
         self.steps = {"prefill": 0, "fused": 0, "portable": 0}
+
+    @property
+    def portable(self) -> OrtGraph:
+        if not isinstance(self._portable, OrtGraph):
+            self._portable = self._portable()
+        return self._portable
 
     def run(self, feeds: dict) -> dict:
         batch, positions = feeds["tokens"].shape
@@ -194,10 +204,12 @@ class OrtBackend(Backend):
         verifier = _known_choice(verifier or "auto", VERIFIERS, "verifier")
         if verifier == "fused" and "verifier_fused" not in manifest.graphs:
             raise DSparkError(f"bundle {folder} has no fused verifier; add one with `dspark-export fuse {folder}`")
-        self.verifier = OrtGraph(folder, "verifier", manifest.graphs["verifier"], opts)
+        portable = partial(OrtGraph, folder, "verifier", manifest.graphs["verifier"], opts)
         if verifier != "portable" and "verifier_fused" in manifest.graphs:
             self.verifier = FusedVerifier(OrtGraph(folder, "verifier_fused", manifest.graphs["verifier_fused"], opts),
-                                          self.verifier)
+                                          portable)
+        else:
+            self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
 
