@@ -7,8 +7,9 @@ the round from what it has seen: the mean calibrated prefix survival of recent d
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
 refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
 survival seen lately (a slowly decaying per-position envelope of the smoothed survival) could not pay at the
-current batch, probes wait `hopeless_probe` rounds: a probe that cannot change the decision is pure cost (at
-concurrency 8 on CPU one costs about two plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR).
+current batch, probes wait `hopeless_probe` rounds, longer the further it is from paying: a probe that cannot
+change the decision is pure cost (at concurrency 8 on CPU one costs about two plain rounds, so probing every 32
+rounds cost DSpark 2-4% against AR, every 128 rounds 1.8%).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
 live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
@@ -30,12 +31,13 @@ def step_seconds(sps: np.ndarray, tokens: int) -> float:
 
 class DraftGate:
     def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
-                 max_probe: int = 32, hopeless_probe: int = 128, smoothing: float = 0.3,
+                 max_probe: int = 32, hopeless_probe: int = 128, hopeless_factor: int = 4, smoothing: float = 0.3,
                  envelope_decay: float = 0.98):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
         self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
         self.hopeless_probe = max(hopeless_probe, max_probe)
+        self.hopeless_factor = max(hopeless_factor, 1)
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
@@ -79,11 +81,14 @@ class DraftGate:
         return draft
 
     def _probe_interval(self, live: int, ar: float) -> int:
-        """Rounds to skip before the next probe: the backed-off interval, or hopeless_probe when even the best
-        survival seen lately could not pay at this batch (only asked once the backed-off interval is reached: it
-        is never shorter)."""
-        if self.skipped + 1 >= self.probe and self.rates(live, self.best_gain)[1] < ar:
-            return self.hopeless_probe
+        """Rounds to skip before the next probe: the backed-off interval, or, when even the best survival seen
+        lately could not pay at this batch, hopeless_probe times how many times slower than AR that best would
+        commit (up to hopeless_factor): a drafter that would have to double its acceptance to pay is probed half
+        as often (only asked once the backed-off interval is reached: it is never shorter)."""
+        if self.skipped + 1 >= self.probe:
+            best = self.rates(live, self.best_gain)[1]
+            if best < ar:
+                return self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
         return self.probe
 
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:

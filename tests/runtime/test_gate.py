@@ -54,7 +54,10 @@ def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
     gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
-    assert _probes(gate, live, 0.1, 1.0, rounds=30) == [11, 23]  # no ramp: hopeless_probe rounds each time
+    # no ramp, and hopeless_factor x hopeless_probe rounds: even its best rate is over 4x below AR's
+    assert _probes(gate, live, 0.1, 1.0, rounds=100) == [47, 95]
+    gate.hopeless_factor = 1
+    assert _probes(gate, live, 0.1, 1.0, rounds=30) == [7, 19]  # 4 rounds had been skipped since the last probe
 
 
 def test_one_lucky_round_does_not_keep_the_gate_probing():
@@ -135,7 +138,7 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
     plain = rt.decoder(prompt, DecodeOptions(max_new_tokens=40))
     gated = rt.decoder(prompt, DecodeOptions(max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free)))
     gated.gate.live_scale = False  # keep the table's free verifier: measured steps would make it cost something
-    gated.gate.hopeless_probe = gated.gate.max_probe  # several probes within 40 tokens
+    gated.gate.hopeless_probe, gated.gate.hopeless_factor = gated.gate.max_probe, 1  # several probes in 40 tokens
     for dec in (plain, gated):
         for _ in dec:
             pass

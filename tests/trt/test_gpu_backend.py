@@ -107,7 +107,7 @@ def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
     free = np.full(64, 1e9, dtype=np.float32)
 
     def probe_often(dec):  # several probes within 40 tokens, though no draft can pay against a free verifier
-        dec.gate.hopeless_probe = dec.gate.max_probe
+        dec.gate.hopeless_probe, dec.gate.hopeless_factor = dec.gate.max_probe, 1
 
     gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free),
                    prepare=probe_often)
