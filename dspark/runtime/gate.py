@@ -6,9 +6,10 @@ verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The g
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
 refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
-survival seen lately (a slowly decaying per-position envelope of the smoothed survival) could not pay at the
-current batch, probes wait `hopeless_probe` rounds, longer the further it is from paying: a probe that cannot
-change the decision is pure cost (at concurrency 8 on CPU one costs about two plain rounds, so probing every 32
+survival seen lately (a per-position envelope of the smoothed survival that fades by `envelope_decay` every round,
+drafted or skipped, so a lucky start such as the server's warm-up request stops counting after ~50 rounds rather
+than ~50 probes) could not pay at the current batch, probes wait `hopeless_probe` rounds, longer the further it is
+from paying: a probe that cannot change the decision is pure cost (at concurrency 8 on CPU one costs about two plain rounds, so probing every 32
 rounds cost DSpark 2-4% against AR, every 128 rounds 1.8%).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
@@ -41,13 +42,13 @@ class DraftGate:
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
-        self.best = np.zeros(block_size)  # envelope of the smoothed survival, decaying per drafted round
-        self.best_gain = np.zeros(block_size + 1)
+        self.best = np.zeros(block_size)  # envelope of the smoothed survival, fading per round
         self.envelope_decay = envelope_decay
         self.draft_seconds: float | None = None  # draft + heads per round, smoothed
         self.scale: float | None = None  # measured / tabled verifier step time, smoothed (None: none timed yet)
         self.live_scale = True
         self.skipped = 0
+        self.since_observed = 0  # rounds since the last drafted one: the envelope fades per round, drafted or not
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -78,6 +79,7 @@ class DraftGate:
             else:
                 draft = False
         self.skipped = 0 if draft else self.skipped + 1
+        self.since_observed += 1
         return draft
 
     def _probe_interval(self, live: int, ar: float) -> int:
@@ -86,7 +88,8 @@ class DraftGate:
         commit (up to hopeless_factor): a drafter that would have to double its acceptance to pay is probed half
         as often (only asked once the backed-off interval is reached: it is never shorter)."""
         if self.skipped + 1 >= self.probe:
-            best = self.rates(live, self.best_gain)[1]
+            faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
+            best = self.rates(live, np.concatenate(([0.0], faded)))[1]
             if best < ar:
                 return self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
         return self.probe
@@ -100,8 +103,8 @@ class DraftGate:
             np.cumsum(self.survival, out=self.gain[1:])
             # of the smoothed survival: a max over single rounds (one request's luck at concurrency 1) would
             # keep a batch of 8 probing long after its mean showed drafting cannot pay
-            np.maximum(self.best * self.envelope_decay, self.survival, out=self.best)
-            np.cumsum(self.best, out=self.best_gain[1:])
+            np.maximum(self.best * self.envelope_decay ** max(self.since_observed, 1), self.survival, out=self.best)
+            self.since_observed = 0
         self.draft_seconds = self._smooth(self.draft_seconds, seconds)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:

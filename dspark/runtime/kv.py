@@ -62,8 +62,9 @@ class HostRows:
 
     def put(self, slot: int, taps: np.ndarray, row: int, count: int, append: bool = False) -> None:
         at = int(self.count[slot]) if append else 0
-        if at + count > self.rows.shape[1]:
-            grown = np.zeros((self.rows.shape[0], at + count, self.rows.shape[2]), dtype=np.float32)
+        if at + count > self.rows.shape[1]:  # doubling: rows piling up one per skipped round copy O(n) in all
+            width = max(at + count, 2 * self.rows.shape[1])
+            grown = np.zeros((self.rows.shape[0], width, self.rows.shape[2]), dtype=np.float32)
             grown[:, :self.rows.shape[1]] = self.rows
             self.rows = grown
         self.rows[slot, at:at + count] = taps[row, :count]

@@ -41,12 +41,24 @@ def test_gate_skips_costly_drafts_and_probes_with_backoff():
     """Drafting costs 3 verifier steps; it paid once (survival 0.9), then the drafter turns weak (0.1): the gate
     skips, probing after 2, 4, then 8 rounds, because the survival it has seen could still pay."""
     live = np.array([True])
-    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8)
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, envelope_decay=1.0)
     assert gate.should_draft(live)  # nothing measured yet
     gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
     assert gate.should_draft(live)  # it pays
     gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
     assert _probes(gate, live, 0.1, 0.03) == [1, 5, 13]
+
+
+def test_a_lucky_start_fades_with_rounds_not_with_probes():
+    """The same start with the envelope fading 2% a round: the 0.9 seen once stops counting after ~9 rounds
+    (paying needs 0.75), so the gate goes hopeless after its second probe instead of probing every 8 rounds."""
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=40)
+    gate.should_draft(live)
+    gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
+    gate.should_draft(live)
+    gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
+    assert _probes(gate, live, 0.1, 0.03, rounds=60) == [1, 5, 45]
 
 
 def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
@@ -64,7 +76,8 @@ def test_one_lucky_round_does_not_keep_the_gate_probing():
     """Drafting pays only at survival >= 0.75; one round at 0.9 among rounds at 0.1 (one request's luck) moves the
     smoothed survival to 0.34, so probes still wait hopeless_probe rounds."""
     live = np.array([True])
-    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
+                     hopeless_factor=1)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
     gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
