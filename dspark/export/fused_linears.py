@@ -22,6 +22,8 @@ from dspark.export.graph_copy import GraphBuilder, GraphIndex
 MS = "com.microsoft"
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _WEIGHT = re.compile(r"target\.layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(ROLES) + r")\.weight")
+# an fp32 MatMul's weight as the exporter stores it: transposed (.T) and at the bundle's precision (.bf16, .fp16)
+_STORED = re.compile(_WEIGHT.pattern + r"(?:\.T)?(?:\.(?:bf16|fp16))?")
 
 
 @dataclass
@@ -52,7 +54,7 @@ def find_linears(g: GraphIndex) -> dict[tuple[int, str], Linear]:
     found: dict[tuple[int, str], Linear] = {}
     for node in g.model.graph.node:
         if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-            m = _WEIGHT.fullmatch(g.root(node.input[1]).removesuffix(".T"))  # not a Q4_1 minimum term's MatMul
+            m = _STORED.fullmatch(g.root(node.input[1]))  # (not a Q4_1 minimum term's MatMul)
         elif node.op_type == "MatMulNBits":
             m = _WEIGHT.search(node.name) or _WEIGHT.search(node.input[1])
         else:

@@ -293,7 +293,11 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
             manifest = build_manifest(pair, specs, max_context, stop_ids, precision, sources.result())
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             if fusable(manifest):
-                add_fused_verifier(tmp, manifest)
+                try:
+                    add_fused_verifier(tmp, manifest)
+                except DSparkError as e:  # the portable verifier serves every backend: the bundle stays valid
+                    manifest.graphs.pop("verifier_fused", None)
+                    warnings.warn(f"no fused verifier in this bundle: {e}", stacklevel=1)
             (tmp / MANIFEST).write_text(manifest.to_json())
         if check_data:
             with progress.step("recording reference data for `dspark-export check`"):

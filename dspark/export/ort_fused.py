@@ -103,6 +103,14 @@ def _inv_freq(g: GraphIndex) -> str:
     raise DSparkError("fused verifier: cannot find RoPE's frequencies in the portable graph")
 
 
+def _widened(g: GraphIndex, value: str) -> str:
+    """The value as float32: the Cast a bf16/fp16 bundle applies right after (an embedding lookup's rows)."""
+    for node in g.consumers.get(value, []):
+        if node.op_type == "Cast" and next(a.i for a in node.attribute if a.name == "to") == TensorProto.FLOAT:
+            return node.output[0]
+    return value
+
+
 def _weight(b: GraphBuilder, value: str) -> str:
     """A constant of the portable graph (its pass-through chain copied), as float32."""
     new = b.copy(value, {}, "weights")
@@ -159,7 +167,7 @@ class _FusedVerifier:
         embed = next((n for n in self.model.graph.node if n.op_type == "Gather" and n.input[1] == "tokens"), None)
         if embed is None:
             raise DSparkError("fused verifier: the portable graph has no embedding lookup")
-        x = b.copy(embed.output[0], {}, "embed")
+        x = b.copy(_widened(self.g, embed.output[0]), {}, "embed")
         self.attention_inputs = self._lengths_and_rope()
         taps = {-1: x} if -1 in tap_ids else {}
         residual, update = x, None

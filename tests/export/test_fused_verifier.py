@@ -177,3 +177,44 @@ def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch)
     assert got == [r.token_ids for r in fused_rt.generate(ps, options.replace(policy="ar"))]
     assert got == [r.token_ids for r in portable_rt.generate(ps, options)]
     assert fused_rt.backend.verifier.steps["fused"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_low_precision_bundle_gets_a_fused_verifier(tmp_path, precision):
+    """Weights stored at bf16/fp16 (Casts in the portable graph, the embedding's rows widened after the lookup):
+    the fused verifier takes them, packed or mapped, and decodes the portable verifier's tokens."""
+    from dspark.export.onnx_export import export_bundle
+    from dspark.models.pair import Pair
+    from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
+
+    hf, target, drafter = tiny_pair("qwen3", vocab=24, layers=2, seed=3, block_size=4, hidden=64)
+    out = tmp_path / "bundle"
+    pair = Pair(loaded=TinyLoaded(hf, tiny_tokenizer_folder(tmp_path / "tok", 24)), target=target, drafter=drafter,
+                draft_source="random")
+    export_bundle(pair, out, max_context=256, force=True, quiet=True, precision=precision)
+    man = Manifest.read(out)
+    assert man.precision == precision and "verifier_fused" in man.graphs
+    ps, options = prompts(3, seed=2), DecodeOptions(max_new_tokens=12, batch_size=1)
+    for weights in ("packed", "mapped"):
+        fused_rt = Runtime(out, backend=OrtBackend(out, man, weights=weights, verifier="fused"))
+        portable_rt = Runtime(out, backend=OrtBackend(out, man, weights=weights, verifier="portable"))
+        got = [r.token_ids for r in fused_rt.generate(ps, options)]
+        assert got == [r.token_ids for r in portable_rt.generate(ps, options)]
+        assert got == [r.token_ids for r in fused_rt.generate(ps, options.replace(policy="ar"))]
+
+
+def test_export_keeps_a_valid_bundle_when_fusing_fails(tmp_path, monkeypatch):
+    """The portable verifier serves every backend: a fused graph that cannot be built is skipped with a warning."""
+    import dspark.export.onnx_export as onnx_export
+
+    def refuse(folder, manifest):
+        manifest.graphs["verifier_fused"] = manifest.graphs["verifier"]  # half-entered, as a failure could leave it
+        raise DSparkError("cannot fuse this one")
+
+    monkeypatch.setattr(onnx_export, "add_fused_verifier", refuse)
+    with pytest.warns(UserWarning, match="no fused verifier in this bundle: cannot fuse this one"):
+        *_, bundle = tiny_bundle(tmp_path / "b", family="llama", vocab=12, layers=2, block_size=3, seed=2,
+                                 hidden=64)
+    man = Manifest.read(bundle)
+    assert "verifier_fused" not in man.graphs and not (bundle / FUSED_FILE).exists()
+    assert Runtime(bundle).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
