@@ -96,6 +96,7 @@ class OrtGraph:
                               f"manifest says {want_in} -> {want_out}")
         self.name = name
         self.outputs = want_out
+        self.inputs = want_in
 
     def run(self, feeds: dict[str, np.ndarray | ort.OrtValue], into: dict[str, np.ndarray] | None = None
             ) -> dict[str, ort.OrtValue]:
@@ -206,8 +207,14 @@ class OrtBackend(Backend):
             raise DSparkError(f"bundle {folder} has no fused verifier; add one with `dspark-export fuse {folder}`")
         portable = partial(OrtGraph, folder, "verifier", manifest.graphs["verifier"], opts)
         if verifier != "portable" and "verifier_fused" in manifest.graphs:
-            self.verifier = FusedVerifier(OrtGraph(folder, "verifier_fused", manifest.graphs["verifier_fused"], opts),
-                                          portable)
+            fused = OrtGraph(folder, "verifier_fused", manifest.graphs["verifier_fused"], opts)
+            want = [f"present.{i}.{kind}" for i in range(manifest.target["num_layers"]) for kind in ("key", "value")]
+            takes = [t.name for t in manifest.graphs["verifier"].inputs]
+            if [o for o in fused.outputs if o.startswith("present.")] != want or fused.inputs != takes:
+                raise DSparkError(f"{manifest.graphs['verifier_fused'].file} is not a fused verifier of this bundle "
+                                  f"(it must take the verifier's inputs and write present.* for every layer); "
+                                  f"rebuild it with `dspark-export fuse {folder}`")
+            self.verifier = FusedVerifier(fused, portable)
         else:
             self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)

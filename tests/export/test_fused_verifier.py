@@ -218,3 +218,16 @@ def test_export_keeps_a_valid_bundle_when_fusing_fails(tmp_path, monkeypatch):
     man = Manifest.read(bundle)
     assert "verifier_fused" not in man.graphs and not (bundle / FUSED_FILE).exists()
     assert Runtime(bundle).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
+
+
+def test_a_fused_graph_that_is_not_this_bundles_is_refused(fused, tmp_path):
+    """A manifest whose verifier_fused names the portable verifier (no present.* outputs): one line, not a
+    decode that silently never writes its cache."""
+    bad = tmp_path / "bad"
+    linked_copy(fused, bad)
+    man = Manifest.read(bad)
+    man.graphs["verifier_fused"] = man.graphs["verifier"]
+    man.write(bad)
+    with pytest.raises(DSparkError, match="not a fused verifier of this bundle"):
+        OrtBackend(bad, Manifest.read(bad))
+    assert isinstance(OrtBackend(bad, Manifest.read(bad), verifier="portable").verifier, OrtGraph)
