@@ -45,7 +45,8 @@ from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.kv import HostKV
 from dspark.export.ort_fused import fuse_bundle
-from dspark.runtime.ort_backend import FusedVerifier, OrtBackend, OrtGraph, session_options
+from dspark.runtime.fused_verifier import FusedVerifier
+from dspark.runtime.ort_backend import OrtBackend, OrtGraph, session_options
 
 VARIANTS = {
     "fp32": None,
@@ -97,8 +98,9 @@ class Step:
         opts = session_options(threads)
         self.graph = OrtGraph(folder, "verifier", self.manifest.graphs["verifier"], opts)
         if fused:  # in place: the step writes its K/V after the (uncommitted) past, as the runtime's does
+            portable = self.graph
             self.graph = FusedVerifier(OrtGraph(folder, "verifier_fused", self.manifest.graphs["verifier_fused"],
-                                                opts), self.graph)
+                                                opts), lambda: portable)
         cache = HostKV(t["num_layers"], 1, t["num_kv_heads"], past + max(positions) + 1, t["head_dim"])
         cache.commit(0, past)
         probs = np.zeros((1, self.manifest.block_size, t["vocab_size"]), np.float32)

@@ -28,7 +28,8 @@ from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
 from dspark.export.trt_lint import lint_bundle
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
-from dspark.runtime.ort_backend import FusedVerifier, OrtBackend
+from dspark.runtime.fused_verifier import FusedVerifier
+from dspark.runtime.ort_backend import OrtBackend
 
 CHECK_DIR = "check"
 CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -12,7 +11,8 @@ import onnxruntime as ort
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.backend import Backend
-from dspark.runtime.kv import IN_CACHE, HostKV, HostRows
+from dspark.runtime.fused_verifier import FusedVerifier
+from dspark.runtime.kv import HostKV, HostRows
 
 
 WEIGHT_MODES = ("auto", "packed", "mapped")
@@ -115,78 +115,6 @@ class OrtGraph:
                 binding.bind_output(k, "cpu")
         self.session.run_with_iobinding(binding)
         return dict(zip(self.outputs, binding.get_outputs()))
-
-
-class FusedVerifier:
-    """The verifier as the fused graph (dspark.export.ort_fused) where ONNX Runtime's GroupQueryAttention takes
-    the step, else the portable graph; callers see the portable verifier's outputs.
-
-    - prefill (no valid past in any row): the fused graph on an empty past; its present.* are the new K/V.
-    - one request, or one position per request: the fused graph writes the new K/V straight into the cache
-      (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
-    - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
-    """
-
-    def __init__(self, fused: OrtGraph, portable: OrtGraph | Callable[[], OrtGraph]):
-        """portable: the graph, or what loads it when a step first needs it (a batch-1 session never does, and
-        each ONNX Runtime session holds its own copy of the weights it prepacks)."""
-        self.fused, self._portable = fused, portable
-        self.layers = sum(1 for name in fused.outputs if name.startswith("present.")) // 2
-        self.steps = {"prefill": 0, "fused": 0, "portable": 0}
-
-    @property
-    def portable(self) -> OrtGraph:
-        if not isinstance(self._portable, OrtGraph):
-            self._portable = self._portable()
-        return self._portable
-
-    def run(self, feeds: dict) -> dict:
-        batch, positions = feeds["tokens"].shape
-        past = [feeds[f"past.{i}.{kind}"] for i in range(self.layers) for kind in ("key", "value")]
-        if not np.any(feeds["past_mask"]):
-            self.steps["prefill"] += 1
-            return self._prefill(feeds, past, batch)
-        if (batch == 1 or positions == 1) and all(isinstance(p, np.ndarray) and p.flags.c_contiguous
-                                                  and p.flags.writeable for p in past):
-            self.steps["fused"] += 1
-            into = {f"present.{i}.{kind}": feeds[f"past.{i}.{kind}"] for i in range(self.layers)
-                    for kind in ("key", "value")}
-            out = self.fused.run(feeds, into)
-            return {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"],
-                    "new_kv": IN_CACHE}
-        self.steps["portable"] += 1
-        return self.portable.run(feeds)
-
-    def run_gathered(self, feeds: dict) -> dict:
-        """run(), with the new K/V also returned as an array where they went into the cache (for comparisons)."""
-        out = self.run(feeds)
-        if out["new_kv"] is IN_CACHE:
-            positions = feeds["tokens"].shape[1]
-            lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
-            new = [[np.stack([feeds[f"past.{i}.{kind}"][b, :, n:n + positions] for b, n in enumerate(lengths)])
-                    for kind in ("key", "value")] for i in range(self.layers)]
-            out["new_kv"] = _HostArray(np.array(new))
-        return out
-
-    def _prefill(self, feeds: dict, past: list, batch: int) -> dict:
-        empty = np.zeros((batch, past[0].shape[1], 0, past[0].shape[3]), dtype=np.float32)
-        feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64),
-                 **{f"past.{i}.{kind}": empty for i in range(self.layers) for kind in ("key", "value")}}
-        out = self.fused.run(feeds)
-        new_kv = np.stack([np.stack([out[f"present.{i}.key"].numpy(), out[f"present.{i}.value"].numpy()])
-                           for i in range(self.layers)])
-        return {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"],
-                "new_kv": _HostArray(new_kv)}
-
-
-class _HostArray:
-    """A host array as a graph output (an OrtValue made from numpy would not keep the array alive)."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def numpy(self) -> np.ndarray:
-        return self.array
 
 
 class OrtBackend(Backend):

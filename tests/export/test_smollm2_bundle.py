@@ -69,7 +69,8 @@ def test_the_fused_verifier_at_batch_1_fp32_and_gguf_blocks(smollm2, smollm2_bun
     from dspark.bundle import Manifest
     from dspark.export.quantize import QuantizeOptions, quantize_bundle
     from dspark.files import linked_copy
-    from dspark.runtime.ort_backend import FusedVerifier, OrtBackend
+    from dspark.runtime.fused_verifier import FusedVerifier
+    from dspark.runtime.ort_backend import OrtBackend
 
     pair, _ = smollm2
     gguf = tmp_path / "gguf"
