@@ -32,13 +32,14 @@ def step_seconds(sps: np.ndarray, tokens: int) -> float:
 
 class DraftGate:
     def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
-                 max_probe: int = 32, hopeless_probe: int = 128, hopeless_factor: int = 4, smoothing: float = 0.3,
-                 envelope_decay: float = 0.98):
+                 max_probe: int = 32, hopeless_probe: int = 128, hopeless_factor: int = 4, min_evidence: int = 6,
+                 smoothing: float = 0.3, envelope_decay: float = 0.98):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
         self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
         self.hopeless_probe = max(hopeless_probe, max_probe)
         self.hopeless_factor = max(hopeless_factor, 1)
+        self.min_evidence, self.observed = min_evidence, 0  # drafted rounds seen before a verdict of hopeless
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
         self.gain = np.zeros(block_size + 1)  # expected accepted drafts when verifying k = 0..Bk
@@ -83,11 +84,15 @@ class DraftGate:
         return draft
 
     def _probe_interval(self, live: int, ar: float) -> int:
-        """Rounds to skip before the next probe: the backed-off interval, or, when even the best survival seen
-        lately could not pay at this batch, hopeless_probe times how many times slower than AR that best would
-        commit (up to hopeless_factor): a drafter that would have to double its acceptance to pay is probed half
-        as often (only asked once the backed-off interval is reached: it is never shorter)."""
-        if self.skipped + 1 >= self.probe:
+        """Rounds to skip before the next probe: the backed-off interval, or, once the back-off has reached
+        max_probe, min_evidence drafted rounds have been seen and even the best survival seen lately could not pay
+        at this batch, hopeless_probe times how many times slower than AR that best would commit (up to
+        hopeless_factor): a drafter that would have to double its acceptance to pay is probed half as often.
+        A few drafted rounds are no evidence that drafting cannot pay (a request's first also consumes its whole
+        prompt): going hopeless after one left 3 of 4 batch-1 requests on the fused verifier undrafted after
+        their first round."""
+        evidence = self.probe >= self.max_probe and self.observed >= self.min_evidence  # not on a few rounds' word
+        if self.skipped + 1 >= self.probe and evidence:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
             best = self.rates(live, np.concatenate(([0.0], faded)))[1]
             if best < ar:
@@ -97,6 +102,7 @@ class DraftGate:
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
         """After a drafted round: its survival [B, Bk] and what drafting + heads took."""
         if np.any(live):
+            self.observed += 1
             mean = survival[live].mean(axis=0)
             first = self.draft_seconds is None
             self.survival = mean if first else (1 - self.smoothing) * self.survival + self.smoothing * mean

@@ -51,14 +51,27 @@ def test_gate_skips_costly_drafts_and_probes_with_backoff():
 
 def test_a_lucky_start_fades_with_rounds_not_with_probes():
     """The same start with the envelope fading 2% a round: the 0.9 seen once stops counting after ~9 rounds
-    (paying needs 0.75), so the gate goes hopeless after its second probe instead of probing every 8 rounds."""
+    (paying needs 0.75), so the gate goes hopeless once it has seen min_evidence drafted rounds instead of probing
+    every 8 rounds."""
     live = np.array([True])
     gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=40)
     gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
     gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
-    assert _probes(gate, live, 0.1, 0.03, rounds=60) == [1, 5, 45]
+    assert _probes(gate, live, 0.1, 0.03, rounds=60) == [1, 5, 13, 21]  # (not every 8 rounds up to 53)
+
+
+def test_one_bad_first_round_is_not_enough_to_stop_probing():
+    """A request's first drafted round (it also consumes the whole prompt) says little: a drafter that is poor
+    there and good afterwards is found by the back-off's probes, not left undrafted for hopeless_probe rounds."""
+    live = np.array([True])
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=64)
+    gate.should_draft(live)
+    gate.observe(np.full((1, 4), 0.05), live, seconds=0.03)
+    drafted = _probes(gate, live, 0.95, 0.03, rounds=60)
+    assert drafted[0] == 1  # the back-off's first probe sees the good drafter...
+    assert drafted[-10:] == list(range(50, 60))  # ...and once its smoothed survival pays, every round drafts
 
 
 def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
@@ -66,22 +79,26 @@ def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
     gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
-    # no ramp, and hopeless_factor x hopeless_probe rounds: even its best rate is over 4x below AR's
-    assert _probes(gate, live, 0.1, 1.0, rounds=100) == [47, 95]
-    gate.hopeless_factor = 1
-    assert _probes(gate, live, 0.1, 1.0, rounds=30) == [7, 19]  # 4 rounds had been skipped since the last probe
+    # the back-off and min_evidence (6) drafted rounds first, then hopeless_factor x hopeless_probe rounds: even
+    # its best rate is over 4x below AR's
+    assert _probes(gate, live, 0.1, 1.0, rounds=100) == [1, 5, 13, 21, 29, 77]
+    plain = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
+                      hopeless_factor=1)
+    plain.should_draft(live)
+    plain.observe(np.full((1, 4), 0.1), live, seconds=1.0)
+    assert _probes(plain, live, 0.1, 1.0, rounds=50) == [1, 5, 13, 21, 29, 41]
 
 
 def test_one_lucky_round_does_not_keep_the_gate_probing():
     """Drafting pays only at survival >= 0.75; one round at 0.9 among rounds at 0.1 (one request's luck) moves the
-    smoothed survival to 0.34, so probes still wait hopeless_probe rounds."""
+    smoothed survival to 0.34, so once the back-off is done probes still wait hopeless_probe rounds."""
     live = np.array([True])
     gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
                      hopeless_factor=1)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
     gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
-    assert _probes(gate, live, 0.1, 0.03, rounds=30) == [11, 23]
+    assert _probes(gate, live, 0.1, 0.03, rounds=40) == [1, 5, 13, 21, 33]  # the back-off, then hopeless_probe
 
 
 def test_gate_keeps_drafting_when_it_pays():
