@@ -81,27 +81,22 @@ class Projections:
     def __init__(self, b: GraphBuilder, linears: dict[tuple[int, str], Linear], folder: Path | None):
         self.b, self.linears, self.folder = b, linears, folder
         self.block_sums: dict[tuple[str, int, int], str] = {}
-        self.concatenated = 0
 
     def __call__(self, layer: int, roles: tuple[str, ...], x: str) -> list[str]:
         """The outputs of `roles` of `layer` on the new activation x (one value per role)."""
         parts = [self.linears[(layer, r)] for r in roles]
-        if len(parts) > 1 and self._concatenable(parts):
-            self.concatenated += 1
-            y = self._nbits(parts, x)
+        joined = self.packed(layer, roles, x) if len(parts) > 1 else None
+        if joined is not None:
             sizes = self.b.const(np.array([p.out_features for p in parts], np.int64), "split")
-            return self.b.add("Split", [y, sizes], len(parts), axis=-1)
-        if parts[0].node.op_type == "MatMulNBits":
-            return [self._nbits([p], x) for p in parts]
-        return [self.b.copy(p.y, {p.x: x}, x) for p in parts]  # one tag per activation: shared sub-results
+            return self.b.add("Split", [joined, sizes], len(parts), axis=-1)
+        return [self._nbits([p], x) if p.node.op_type == "MatMulNBits"
+                else self.b.copy(p.y, {p.x: x}, x)  # one tag per activation: shared sub-results
+                for p in parts]
 
     def packed(self, layer: int, roles: tuple[str, ...], x: str) -> str | None:
         """The roles' outputs as one concatenated value when they can be one MatMulNBits, else None."""
         parts = [self.linears[(layer, r)] for r in roles]
-        if not self._concatenable(parts):
-            return None
-        self.concatenated += 1
-        return self._nbits(parts, x)
+        return self._nbits(parts, x) if self._concatenable(parts) else None
 
     @staticmethod
     def _concatenable(parts: list[Linear]) -> bool:

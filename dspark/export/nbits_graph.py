@@ -37,7 +37,7 @@ def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     return {o: n for n in model.graph.node for o in n.output}
 
 
-def _resolve(name: str, producers: dict, inits: dict) -> tuple[str, list[onnx.NodeProto]] | None:
+def resolve(name: str, producers: dict, inits: dict) -> tuple[str, list[onnx.NodeProto]] | None:
     """(initializer, pass-through nodes from it to `name`, outermost first), or None when `name` is computed."""
     chain = []
     while name not in inits:
@@ -74,7 +74,7 @@ def _sources(model: onnx.ModelProto, min_elements: int):
     for node in model.graph.node:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
-        resolved = _resolve(node.input[1], producers, inits)
+        resolved = resolve(node.input[1], producers, inits)
         if resolved is None:
             continue
         init = inits[resolved[0]]

@@ -12,7 +12,7 @@ embedding lookup and everything after the final norm (LM head, in-graph acceptan
 
 ONNX Runtime's CPU GroupQueryAttention takes several positions per request only at batch 1 (or with an empty
 past), so the runtime uses this graph for batch-1 steps, one-position steps and prefills, and the portable verifier
-for multi-position steps of several requests (dspark.runtime.ort_backend.FusedVerifier).
+for multi-position steps of several requests (dspark.runtime.fused_verifier.FusedVerifier).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from dspark.errors import DSparkError
 from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
 from dspark.export.graph_copy import GraphBuilder, GraphIndex
 from dspark.export.graphs import past_names
-from dspark.files import Temporary, linked_copy, normal_mode, replace_folder
+from dspark.export.nbits_graph import resolve
+from dspark.files import atomic_folder, linked_copy, normal_mode
 
 MS = "com.microsoft"
 SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
@@ -114,19 +115,10 @@ def _widened(g: GraphIndex, value: str) -> str:
 def _weight(b: GraphBuilder, value: str) -> str:
     """A constant of the portable graph (its pass-through chain copied), as float32."""
     new = b.copy(value, {}, "weights")
-    root = b.g.inits[b.g.root(value)]
-    chain_casts = value != root.name and any(b.g.producer[v].op_type == "Cast" for v in _chain(b.g, value))
-    if root.data_type == TensorProto.FLOAT and not chain_casts:
+    root, chain = resolve(value, b.g.producer, b.g.inits)
+    if b.g.inits[root].data_type == TensorProto.FLOAT and not any(n.op_type == "Cast" for n in chain):
         return new
     return b.add("Cast", [new], to=TensorProto.FLOAT)[0]
-
-
-def _chain(g: GraphIndex, value: str) -> list[str]:
-    out = []
-    while value not in g.inits:
-        out.append(value)
-        value = g.producer[value].input[0]
-    return out
 
 
 def _layer_norm_gamma(g: GraphIndex, lin: Linear) -> str:
@@ -293,20 +285,20 @@ def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:
     return fused
 
 
+def forget_step_costs(manifest: Manifest) -> None:
+    """Drop the SPS table: the verifier steps it measured are not the ones the bundle takes any more."""
+    for key in SPS_KEYS:
+        manifest.calibration.pop(key, None)
+
+
 def fuse_bundle(bundle: Path) -> GraphSpec:
     """`dspark-export fuse`: add the fused verifier to BUNDLE, in a linked copy that replaces it in one step. The
     SPS table (verifier step costs measured on the portable graph) is dropped, as quantizing the verifier does."""
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
-    staging = Temporary(bundle)
-    try:
-        linked_copy(bundle, staging.path)
-        spec = add_fused_verifier(staging.path, manifest)
-        for key in SPS_KEYS:  # measured on the old verifier steps
-            manifest.calibration.pop(key, None)
-        manifest.write(staging.path)
-        replace_folder(staging, bundle)
-    except BaseException:
-        staging.remove()
-        raise
+    with atomic_folder(bundle) as staging:
+        linked_copy(bundle, staging)
+        spec = add_fused_verifier(staging, manifest)
+        forget_step_costs(manifest)
+        manifest.write(staging)
     return spec

@@ -30,9 +30,9 @@ from dspark.errors import DSparkError
 from dspark.export.agreement import measure_agreement
 from dspark.export.gguf_blocks import Q4_1_MODES, read_matrices, to_nbits
 from dspark.export.gguf_map import match_weights
-from dspark.export.ort_fused import SPS_KEYS, add_fused_verifier
+from dspark.export.ort_fused import add_fused_verifier, forget_step_costs
 from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, materialize, probe_weight
-from dspark.files import Temporary, linked_copy, normal_mode, replace_folder
+from dspark.files import Temporary, atomic_folder, linked_copy, normal_mode
 
 QUANTIZABLE = ("verifier", "draft", "heads")
 MIN_ELEMENTS = {"verifier": 1 << 16, "draft": 1 << 16, "heads": 1 << 20}  # smaller MatMuls stay fp32
@@ -232,30 +232,24 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
     manifest = Manifest.read(bundle)
     graphs = list(dict.fromkeys(graphs))
     _check_options(manifest, graphs, opts)
-    staging = Temporary(bundle)
-    try:
-        linked_copy(bundle, staging.path)
+    with atomic_folder(bundle) as staging:
+        linked_copy(bundle, staging)
         records = {}
         for graph in graphs:
             model, record = _quantize_model(bundle, manifest, graph, opts)
-            _write_graph(model, staging.path, manifest.graphs[graph].file)
+            _write_graph(model, staging, manifest.graphs[graph].file)
             del model
-            manifest.graphs[graph].sha256 = sha256_file(staging.path / manifest.graphs[graph].file)
+            manifest.graphs[graph].sha256 = sha256_file(staging / manifest.graphs[graph].file)
             records[graph] = record
         if "verifier" in graphs:
-            for key in SPS_KEYS:
-                manifest.calibration.pop(key, None)
+            forget_step_costs(manifest)
             if opts.agreement_prompts:
                 records["verifier"]["agreement"] = measure_agreement(
-                    bundle, staging.path, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
+                    bundle, staging, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
         if "verifier" in graphs and "verifier_fused" in manifest.graphs:
-            add_fused_verifier(staging.path, manifest)  # the old one multiplies by the fp32 weights
+            add_fused_verifier(staging, manifest)  # the old one multiplies by the fp32 weights
         manifest.quantized.update(records)
-        manifest.write(staging.path)
-        replace_folder(staging, bundle)
-    except BaseException:
-        staging.remove()
-        raise
+        manifest.write(staging)
     return records
 
 
