@@ -11,7 +11,10 @@ of a shared VM's speed hits them alike):
 Greedy, batch 1, the chat template applied once by the first bundle's tokenizer; every method stops at the bundle's
 stop tokens or --max-new-tokens. Reported per method: tokens/s (median over prompts) with the prefill included and
 excluded, tau, agreement with the first bundle's autoregressive output, peak RSS, and the physical floor: the weight
-bytes one autoregressive token reads against this machine's measured copy bandwidth.
+bytes one autoregressive token reads against this machine's measured copy bandwidth. Then a batch phase (--batch,
+default 8): each method that batches (dspark; GenAI with right-padded rows; not llama-cpp-python, whose API
+decodes one sequence) decodes the first --batch prompts as one batch, methods taking turns --batch-reps times:
+tokens/s with the prefill included, and whether each output equals the method's own batch-1 output.
 
   python bench/peers.py --bundle fp32=B32 --bundle gguf=BQ --genai int4=G4 --genai fp32=G32 [--per-domain 3]
   (the results of the last run: bench/results/peers.{json,png})
@@ -19,6 +22,7 @@ bytes one autoregressive token reads against this machine's measured copy bandwi
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import resource
 import statistics
@@ -47,6 +51,16 @@ class DsparkDecoder:
         return {"tokens": res.token_ids, "total_s": times.total, "prefill_s": times.prefill,
                 "tau": res.tau if res.committed else None}
 
+    def batch(self, prompts: list[list[int]], max_new: int) -> dict:
+        from dspark.runtime import DecodeOptions
+
+        t0 = time.perf_counter()
+        res = self.rt.generate(prompts, DecodeOptions(max_new_tokens=max_new, policy=self.policy,
+                                                       batch_size=len(prompts)))
+        taus = [r.tau for r in res if r.committed]
+        return {"tokens": [r.token_ids for r in res], "total_s": time.perf_counter() - t0,
+                "tau": float(np.mean(taus)) if taus else None}
+
 
 class LlamaCppDecoder:
     def __init__(self, gguf: str, threads: int, stop: list[int], context: int):
@@ -74,6 +88,8 @@ class GenaiDecoder:
         import onnxruntime_genai as og
 
         self.og, self.model, self.stop, self.context = og, og.Model(folder), set(stop), context
+        config = json.loads((Path(folder) / "genai_config.json").read_text())
+        self.pad = int(config["model"].get("pad_token_id", 0))
 
     def __call__(self, ids: list[int], max_new: int) -> dict:
         og = self.og
@@ -94,6 +110,29 @@ class GenaiDecoder:
         end = time.perf_counter()
         return {"tokens": out, "total_s": end - t0, "prefill_s": first - t0, "tau": None}
 
+    def batch(self, prompts: list[list[int]], max_new: int) -> dict:
+        """One generator over the prompts right-padded with the pad token (GenAI masks them: its outputs equal
+        its batch-1 ones), until every row stopped or reached max_new."""
+        og = self.og
+        longest = max(len(p) for p in prompts)
+        tokens = np.full((len(prompts), longest), self.pad, dtype=np.int32)
+        for row, p in enumerate(prompts):
+            tokens[row, :len(p)] = p
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, batch_size=len(prompts),
+                                  max_length=min(longest + max_new, self.context))
+        t0 = time.perf_counter()
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(tokens)
+        out, done = [[] for _ in prompts], [False] * len(prompts)
+        while not gen.is_done() and not all(done):
+            gen.generate_next_token()
+            for row, tok in enumerate(gen.get_next_tokens()):
+                if not done[row]:
+                    out[row].append(int(tok))
+                    done[row] = int(tok) in self.stop or len(out[row]) >= max_new
+        return {"tokens": out, "total_s": time.perf_counter() - t0, "tau": None}
+
 
 def worker(kind: str, args: tuple, conn) -> None:
     try:
@@ -104,7 +143,11 @@ def worker(kind: str, args: tuple, conn) -> None:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         return
     while (job := conn.recv()) is not None:
-        out = decode(*job)
+        kind, *job = job
+        if kind == "batch" and not hasattr(decode, "batch"):
+            conn.send({"error": "no batched generation through this API"})
+            continue
+        out = decode(*job) if kind == "one" else decode.batch(*job)
         out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         conn.send(out)
 
@@ -164,6 +207,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--portable", action="store_true",
                     help="Also run each bundle that has a fused verifier on its portable verifier")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="Then every method that batches decodes the first N prompts as one batch (0: skip)")
+    ap.add_argument("--batch-reps", type=int, default=3, help="Passes of the batch phase (methods take turns)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/peers.json"))
     args = ap.parse_args()
 
@@ -217,10 +263,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in workers}
     for i, p in enumerate(ids):
         for name, (_, conn) in workers.items():
-            conn.send((p, args.max_new_tokens))
+            conn.send(("one", p, args.max_new_tokens))
             runs[name].append(conn.recv())
         print(f"prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{n} {len(r[-1]['tokens']) / r[-1]['total_s']:.1f}" for n, r in runs.items()), flush=True)
+    batched = batch_phase(workers, ids[:args.batch], args.max_new_tokens, args.batch_reps) if args.batch > 1 else {}
     for proc, conn in workers.values():
         conn.send(None)
         proc.join(timeout=30)
@@ -247,6 +294,8 @@ def main() -> None:
             agree = [_prefix(r["tokens"], a["tokens"]) / max(len(a["tokens"]), 1) for r, a in zip(rs, reference)]
             row["equals_reference_ar"] = f"{sum(same)}/{len(same)}"
             row["mean_prefix_agreement"] = float(np.mean(agree))
+        if name in batched:
+            row["batch"] = _batch_row(batched[name], ids[:args.batch], rs, reference)
         summary[name] = row
         print(f"{name:24s} {row['tokens_per_s_median']:6.1f} tok/s (decode {row['decode_tokens_per_s_median']:6.1f},"
               f" floor {row['floor_tokens_per_s']:6.1f}), tau {row['tau']}, RSS {row['peak_rss_gb']:.2f} GB, "
@@ -254,9 +303,38 @@ def main() -> None:
     out = write_json(args.out, {"machine": machine(), "bandwidth_gb_s": bandwidth, "bundles": bundles,
                                 "gguf": gguf, "genai": args.genai, "policy": args.policy,
                                 "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                                "batch": args.batch, "batch_reps": args.batch_reps,
                                 "errors": errors, "summary": summary, "runs": runs})
     plot(summary, out.with_suffix(".png"))
     print(out)
+
+
+def batch_phase(workers: dict, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
+    """Every method decodes all `prompts` as one batch, methods taking turns, `reps` times."""
+    runs: dict[str, list[dict]] = {}
+    for rep in range(reps):
+        for name, (_, conn) in workers.items():
+            conn.send(("batch", prompts, max_new))
+            out = conn.recv()
+            if "error" in out:
+                continue
+            runs.setdefault(name, []).append(out)
+        print(f"batch {len(prompts)}, pass {rep + 1}/{reps}: " + ", ".join(
+            f"{n} {sum(map(len, r[-1]['tokens'])) / r[-1]['total_s']:.1f}" for n, r in runs.items()), flush=True)
+    return runs
+
+
+def _batch_row(runs: list[dict], prompts: list, singles: list[dict], reference: list[dict] | None) -> dict:
+    """tokens/s of the batch (prefill included; median over passes) and whether each prompt's output equals the
+    method's own batch-1 output and the reference's."""
+    rates = [sum(map(len, r["tokens"])) / r["total_s"] for r in runs]
+    last = runs[-1]["tokens"]
+    row = {"size": len(prompts), "tokens_per_s_median": statistics.median(rates), "tokens_per_s": rates,
+           "equals_own_batch1": f"{sum(t == s['tokens'] for t, s in zip(last, singles))}/{len(last)}",
+           "tau": runs[-1]["tau"]}
+    if reference:
+        row["equals_reference_ar"] = f"{sum(t == a['tokens'] for t, a in zip(last, reference))}/{len(last)}"
+    return row
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -271,7 +349,10 @@ def _prefix(a: list[int], b: list[int]) -> int:
 def plot(summary: dict, path: Path) -> None:
     plt = pyplot()
     names = list(summary)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.5))
+    batched = [n for n in names if "batch" in summary[n]]
+    fig, axes = plt.subplots(1, 2 if batched else 1, figsize=(15 if batched else 10, 0.45 * len(names) + 1.5),
+                             squeeze=False, gridspec_kw={"width_ratios": [2, 1]} if batched else None)
+    ax = axes[0][0]
     y = np.arange(len(names))
     ax.barh(y - 0.2, [summary[n]["decode_tokens_per_s_median"] for n in names], 0.4, label="decode tok/s")
     ax.barh(y + 0.2, [summary[n]["tokens_per_s_median"] for n in names], 0.4, label="with prefill")
@@ -281,6 +362,12 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("tokens/s, batch 1, greedy (median over prompts)")
     ax.legend(loc="lower right")
+    if batched:
+        bx = axes[0][1]
+        bx.barh(y, [summary[n]["batch"]["tokens_per_s_median"] if n in batched else 0 for n in names], 0.5)
+        bx.set_yticks(y, [""] * len(names))
+        size = summary[batched[0]]["batch"]["size"]
+        bx.set_xlabel(f"tokens/s, one batch of {size} prompts (prefill included; median of passes)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

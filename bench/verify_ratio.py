@@ -44,7 +44,7 @@ from dspark.export.agreement import spread
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.kv import HostKV
-from dspark.export.ort_fused import fuse_bundle
+from dspark.export.ort_graphs import fuse_bundle
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph, session_options
 
@@ -85,7 +85,7 @@ def fused_copy(source: Path, out: Path) -> Path:
     if not (out.exists() and "verifier_fused" in Manifest.read(out).graphs):
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(source, out, copy_function=os.link)
-        fuse_bundle(out)
+        fuse_bundle(out, ["verifier_fused"])
     return out
 
 

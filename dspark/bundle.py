@@ -18,7 +18,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.data"  # the weights every graph refers to by offset (ONNX external data), each stored once
 GRAPHS = ("verifier", "draft", "heads")
-OPTIONAL_GRAPHS = ("verifier_fused",)  # ONNX Runtime's fused twin of the verifier (dspark-export fuse)
+OPTIONAL_GRAPHS = ("verifier_fused", "heads_greedy")  # ONNX Runtime's own twins (dspark-export fuse)
 
 
 @dataclass

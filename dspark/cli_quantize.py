@@ -52,17 +52,26 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
 
 @click.command("fuse")
 @click.argument("bundle", type=click.Path(path_type=Path))
-def fuse_cmd(bundle):
-    """Add ONNX Runtime's fused verifier to BUNDLE (GroupQueryAttention writing the KV cache in place,
-    SkipSimplifiedLayerNormalization; the same weights, no copy). `dspark run` uses it on CPU when present;
-    TensorRT builds keep the portable verifier."""
+@click.option("--rebuild", is_flag=True, help="Rebuild the ones BUNDLE already has too.")
+def fuse_cmd(bundle, rebuild):
+    """Add ONNX Runtime's own graphs to BUNDLE, made from its portable ones with the same weights (no copy): the
+    fused verifier (GroupQueryAttention writing the KV cache in place, SkipSimplifiedLayerNormalization) and the
+    greedy heads (all-greedy rounds skip the sampling machinery). `dspark run` uses them on CPU; TensorRT builds
+    keep the portable graphs."""
     from dspark.bundle import Manifest
-    from dspark.export.ort_fused import fuse_bundle
+    from dspark.export.ort_graphs import TWINS, fuse_bundle
 
-    had_sps = "sps_table" in Manifest.read(bundle).calibration
-    spec = fuse_bundle(bundle)
-    click.echo(f"{bundle}: added {spec.file} (ONNX Runtime only; the portable verifier stays for TensorRT and for "
-               f"multi-position steps of several requests)")
-    if had_sps:
-        click.echo(f"the SPS table was measured on the portable verifier and is dropped: run "
-                   f"`dspark calibrate --sps {bundle}`")
+    manifest = Manifest.read(bundle)
+    had_sps = "sps_table" in manifest.calibration
+    done = fuse_bundle(bundle, [n for n in TWINS if TWINS[n][1](manifest)] if rebuild else None)
+    if not any(why is None for why in done.values()):
+        click.echo(f"{bundle} already has ONNX Runtime's graphs (--rebuild rebuilds them)")
+    files = {name: spec.file for name, spec in Manifest.read(bundle).graphs.items()}
+    for name, why in done.items():
+        click.echo(f"{bundle}: {'wrote ' + files[name] if why is None else why}")
+    if "verifier_fused" in done and done["verifier_fused"] is None:
+        click.echo("ONNX Runtime only: the portable verifier stays for TensorRT and for multi-position steps of "
+                   "several requests")
+        if had_sps:
+            click.echo(f"the SPS table timed the verifier steps before this one and is dropped: run "
+                       f"`dspark calibrate --sps {bundle}`")

@@ -115,11 +115,11 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
 
         quantize_graph(bundle, "heads")
     manifest = Manifest.read(bundle)
-    if plan.managed and "verifier_fused" not in manifest.graphs:  # a demo bundle made before fused verifiers
-        from dspark.export.ort_fused import fusable, fuse_bundle
+    if plan.managed:  # a demo bundle made before ONNX Runtime's twins (fused verifier, greedy heads)
+        from dspark.export.ort_graphs import fuse_bundle, missing_twins
 
-        if fusable(manifest):
-            fuse_bundle(bundle)
+        if missing_twins(manifest):
+            fuse_bundle(bundle, missing_twins(manifest))
 
 
 def best_policy(manifest: Manifest) -> tuple[str, str]:

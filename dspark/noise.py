@@ -10,6 +10,8 @@ import numpy as np
 
 from dspark.errors import DSparkError
 
+GREEDY_EPS = 1e-5  # a temperature below this decodes greedily (dspark.models.sampling)
+
 
 class RequestNoise:
     def __init__(self, seed: int, request: int):

@@ -1,6 +1,8 @@
 """Reading a graph's structure and copying parts of it into a new graph (onnx protos, no weight is read)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -8,6 +10,14 @@ from onnx import TensorProto, helper, numpy_helper
 from dspark.errors import DSparkError
 
 PASS = ("Transpose", "Cast", "Identity", "Reshape")
+
+
+def load_skeleton(path: Path) -> onnx.ModelProto:
+    """A graph without its external weights (they stay where they are); one line if it is not ONNX."""
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf errors
+        raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
 
 
 class GraphIndex:

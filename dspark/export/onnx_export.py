@@ -19,7 +19,7 @@ from dspark.errors import DSparkError
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.check import record_check_data
-from dspark.export.ort_fused import add_fused_verifier, fusable
+from dspark.export.ort_graphs import add_twins
 from dspark.export.passes import optimize_graph
 from dspark.export.progress import Background, Progress
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
@@ -292,12 +292,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
                 spec.sha256 = sha256_file(tmp / spec.file)
             manifest = build_manifest(pair, specs, max_context, stop_ids, precision, sources.result())
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            if fusable(manifest):
-                try:
-                    add_fused_verifier(tmp, manifest)
-                except DSparkError as e:  # the portable verifier serves every backend: the bundle stays valid
-                    manifest.graphs.pop("verifier_fused", None)
-                    warnings.warn(f"no fused verifier in this bundle: {e}", stacklevel=1)
+            add_twins(tmp, manifest)  # ONNX Runtime's own: fused verifier, greedy heads
             (tmp / MANIFEST).write_text(manifest.to_json())
         if check_data:
             with progress.step("recording reference data for `dspark-export check`"):

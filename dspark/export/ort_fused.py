@@ -16,20 +16,19 @@ for multi-position steps of several requests (dspark.runtime.fused_verifier.Fuse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
-from dspark.export.graph_copy import GraphBuilder, GraphIndex
+from dspark.export.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.export.graphs import past_names
 from dspark.export.nbits_graph import resolve
-from dspark.files import atomic_folder, linked_copy, normal_mode
+from dspark.files import normal_mode
 
 MS = "com.microsoft"
 SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
@@ -266,10 +265,7 @@ def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:
     (the caller writes the manifest). The verifier is read as a skeleton: no weight is loaded."""
     spec = manifest.graphs["verifier"]
     path = Manifest.path(folder, spec.file)
-    try:
-        portable = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf errors
-        raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    portable = load_skeleton(path)
     t = manifest.target
     model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent)
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
@@ -289,16 +285,3 @@ def forget_step_costs(manifest: Manifest) -> None:
     """Drop the SPS table: the verifier steps it measured are not the ones the bundle takes any more."""
     for key in SPS_KEYS:
         manifest.calibration.pop(key, None)
-
-
-def fuse_bundle(bundle: Path) -> GraphSpec:
-    """`dspark-export fuse`: add the fused verifier to BUNDLE, in a linked copy that replaces it in one step. The
-    SPS table (verifier step costs measured on the portable graph) is dropped, as quantizing the verifier does."""
-    bundle = Path(bundle)
-    manifest = Manifest.read(bundle)
-    with atomic_folder(bundle) as staging:
-        linked_copy(bundle, staging)
-        spec = add_fused_verifier(staging, manifest)
-        forget_step_costs(manifest)
-        manifest.write(staging)
-    return spec

@@ -30,7 +30,8 @@ from dspark.errors import DSparkError
 from dspark.export.agreement import measure_agreement
 from dspark.export.gguf_blocks import Q4_1_MODES, read_matrices, to_nbits
 from dspark.export.gguf_map import match_weights
-from dspark.export.ort_fused import add_fused_verifier, forget_step_costs
+from dspark.export.ort_fused import forget_step_costs
+from dspark.export.ort_graphs import rebuild_twins
 from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, materialize, probe_weight
 from dspark.files import Temporary, atomic_folder, linked_copy, normal_mode
 
@@ -246,8 +247,7 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
             if opts.agreement_prompts:
                 records["verifier"]["agreement"] = measure_agreement(
                     bundle, staging, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
-        if "verifier" in graphs and "verifier_fused" in manifest.graphs:
-            add_fused_verifier(staging, manifest)  # the old one multiplies by the fp32 weights
+        rebuild_twins(staging, manifest, graphs)  # the old ones multiply by the old weights
         manifest.quantized.update(records)
         manifest.write(staging)
     return records

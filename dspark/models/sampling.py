@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-GREEDY_EPS = 1e-5
+from dspark.noise import GREEDY_EPS
 PROB_FLOOR = 1e-8
 
 

@@ -113,6 +113,9 @@ class Backend(ABC):
     verifier: Graph
     draft: Graph
     heads: Graph
+    # the heads of rounds whose every live request is greedy, without temperature / draft_noise inputs and without
+    # draft_probs (the verifier then takes zeros: dspark.export.greedy_heads); None: `heads` takes every round
+    heads_greedy: Graph | None = None
 
     @abstractmethod
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.noise import RequestNoise, stack
+from dspark.noise import GREEDY_EPS, RequestNoise, stack
 from dspark.runtime.backend import Backend
 from dspark.runtime.gate import DraftGate
 from dspark.runtime.options import DecodeOptions
@@ -127,8 +127,7 @@ class Decoder:
         self.noise: list[RequestNoise | None] = [None] * b
         self.anchor = np.zeros(b, dtype=np.int64)
         self._conf: np.ndarray | None = None
-        taps = manifest.graphs["verifier"].outputs[2].shape[-1]
-        self.ctx = backend.context_rows(b, taps)  # target features the draft has not seen
+        self.ctx = backend.context_rows(b, manifest.graphs["verifier"].outputs[2].shape[-1])  # taps not drafted on
         self._no_drafts = backend.zeros((b, 1, t["vocab_size"]), dtype=np.float32)
         self._zero = np.zeros(b, dtype=np.int64)
         self._no_draft_ids = np.zeros((b, 1), dtype=np.int64)
@@ -245,16 +244,18 @@ class Decoder:
                                       **self.draft_kv.feeds})
         new_kv = self._state(out["new_draft_kv"])
         t1 = time.perf_counter()
-        for slot in np.flatnonzero(self.ctx.count):
-            count = int(self.ctx.count[slot])
+        for slot, count in ((s, int(self.ctx.count[s])) for s in np.flatnonzero(self.ctx.count)):
             self.draft_kv.check_room(slot, count, request=self.request_ids[self.slot_req[slot]])
             self.draft_kv.write(new_kv, slot, count)
             self.draft_kv.commit(slot, int(self.draft_kv.lengths[slot]) + count)
         self.ctx.count[:] = 0  # consumed
-        noises = [src if alive else None for src, alive in zip(self.noise, live)]
-        heads = self._run("heads", {"hidden": out["hidden"], "anchor": self.anchor, "temperature": self.temperature,
-                                    "draft_noise": stack(noises, self.block_size), "conf_temperatures": self.conf_temps,
-                                    **self.options.heads_feeds(self.planner.feeds(live))})
+        noise = stack([src if alive else None for src, alive in zip(self.noise, live)], self.block_size)  # drawn
+        feeds = {"hidden": out["hidden"], "anchor": self.anchor, "conf_temperatures": self.conf_temps,  # always
+                 **self.options.heads_feeds(self.planner.feeds(live))}
+        # all greedy: no sampling machinery, and the verifier takes zero draft probabilities (the same decisions)
+        greedy = self.backend.heads_greedy is not None and not np.any(self.temperature[live] >= GREEDY_EPS)
+        heads = self._run("heads_greedy", feeds) if greedy else self._run(
+            "heads", {**feeds, "temperature": self.temperature, "draft_noise": noise})
         t2 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.heads += t2 - t1
@@ -264,7 +265,7 @@ class Decoder:
         if self.gate is not None:
             self.gate.observe(survival, live, t2 - t0)
         verify_len = self.options.cut(survival, self.planner.after(survival, live, heads["verify_len"].numpy()))
-        return heads["draft_tokens"].numpy(), heads["draft_probs"], verify_len
+        return heads["draft_tokens"].numpy(), self._no_drafts if greedy else heads["draft_probs"], verify_len
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
 

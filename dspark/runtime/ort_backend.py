@@ -147,6 +147,14 @@ class OrtBackend(Backend):
             self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
+        if "heads_greedy" in manifest.graphs:
+            self.heads_greedy = OrtGraph(folder, "heads_greedy", manifest.graphs["heads_greedy"], opts)
+            sampling = ("temperature", "draft_noise", "draft_probs")
+            if (self.heads_greedy.inputs != [n for n in self.heads.inputs if n not in sampling]
+                    or self.heads_greedy.outputs != [n for n in self.heads.outputs if n not in sampling]):
+                raise DSparkError(f"{manifest.graphs['heads_greedy'].file} is not the greedy heads graph of this "
+                                  f"bundle (it must take the heads' inputs but temperature and draft_noise, and give "
+                                  f"their outputs but draft_probs); rebuild it with `dspark-export fuse {folder}`")
 
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
                  prefix: str = "past") -> HostKV:
@@ -159,5 +167,5 @@ class OrtBackend(Backend):
         return np.zeros(shape, dtype=dtype)
 
     def close(self) -> None:
-        for name in ("verifier", "draft", "heads"):
+        for name in ("verifier", "draft", "heads", "heads_greedy"):
             self.__dict__.pop(name, None)

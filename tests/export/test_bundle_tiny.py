@@ -94,7 +94,7 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
     hf, target, drafter, path = tiny
     rep = check_bundle(path, trt_lint=True)
     assert rep.passed, [r for r in rep.rows if not r.passed]
-    assert {r.graph for r in rep.rows} == {"verifier", "draft", "heads"}
+    assert {r.graph for r in rep.rows} == {"verifier", "draft", "heads", "heads_greedy"}
     assert rep.e2e["dspark"]["passed"] and rep.e2e["ar"]["passed"]
     import onnx
     from onnx import numpy_helper
@@ -113,7 +113,6 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
 
 
 def test_trt_lint_is_clean_and_flags_unsupported_graphs(tiny, tmp_path):
-    import onnx
     from onnx import TensorProto, helper
 
     from dspark.export.trt_lint import lint_model

@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.ort_fused import FUSED_FILE, fuse_bundle
+from dspark.export.ort_fused import FUSED_FILE
+from dspark.export.ort_graphs import TWINS, fuse_bundle
 from dspark.export.quantize import QuantizeOptions, quantize_bundle
 from dspark.files import linked_copy
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph
-from support.tiny import tiny_bundle
+from support.tiny import tiny_bundle, twin_naming_its_source
 from test_bundle_tiny import prompts
 
 
@@ -138,8 +139,8 @@ def test_fuse_refuses_a_verifier_it_cannot_map(fused, tmp_path):
     (bad / "verifier.onnx").unlink()
     onnx.save(model, str(bad / "verifier.onnx"))
     with pytest.raises(DSparkError, match="not named by module"):
-        fuse_bundle(bad)
-    res = CliRunner().invoke(export_cli, ["fuse", str(bad)])
+        fuse_bundle(bad, ["verifier_fused"])
+    res = CliRunner().invoke(export_cli, ["fuse", "--rebuild", str(bad)])
     assert res.exit_code != 0 and "not named by module" in res.output and "Traceback" not in res.output
     assert "verifier_fused" in Manifest.read(bad).graphs  # unchanged: the old fused graph is still there
 
@@ -147,7 +148,8 @@ def test_fuse_refuses_a_verifier_it_cannot_map(fused, tmp_path):
 def test_a_bundle_without_a_fused_verifier_refuses_verifier_fused(tmp_path):
     *_, bundle = tiny_bundle(tmp_path / "plain", family="llama", vocab=12, layers=2, block_size=3, seed=2)
     with pytest.raises(DSparkError, match="multiple of 16"):
-        fuse_bundle(bundle)  # head_dim 8
+        fuse_bundle(bundle, ["verifier_fused"])  # head_dim 8
+    assert "multiple of 16" in fuse_bundle(bundle)["verifier_fused"]  # the greedy heads need no head_dim
     with pytest.raises(DSparkError, match="dspark-export fuse"):
         OrtBackend(bundle, Manifest.read(bundle), verifier="fused")
     with pytest.raises(DSparkError, match="unknown verifier"):
@@ -206,13 +208,12 @@ def test_a_low_precision_bundle_gets_a_fused_verifier(tmp_path, precision):
 
 def test_export_keeps_a_valid_bundle_when_fusing_fails(tmp_path, monkeypatch):
     """The portable verifier serves every backend: a fused graph that cannot be built is skipped with a warning."""
-    import dspark.export.onnx_export as onnx_export
 
     def refuse(folder, manifest):
         manifest.graphs["verifier_fused"] = manifest.graphs["verifier"]  # half-entered, as a failure could leave it
         raise DSparkError("cannot fuse this one")
 
-    monkeypatch.setattr(onnx_export, "add_fused_verifier", refuse)
+    monkeypatch.setitem(TWINS, "verifier_fused", (*TWINS["verifier_fused"][:2], refuse))
     with pytest.warns(UserWarning, match="no fused verifier in this bundle: cannot fuse this one"):
         *_, bundle = tiny_bundle(tmp_path / "b", family="llama", vocab=12, layers=2, block_size=3, seed=2,
                                  hidden=64)
@@ -224,11 +225,7 @@ def test_export_keeps_a_valid_bundle_when_fusing_fails(tmp_path, monkeypatch):
 def test_a_fused_graph_that_is_not_this_bundles_is_refused(fused, tmp_path):
     """A manifest whose verifier_fused names the portable verifier (no present.* outputs): one line, not a
     decode that silently never writes its cache."""
-    bad = tmp_path / "bad"
-    linked_copy(fused, bad)
-    man = Manifest.read(bad)
-    man.graphs["verifier_fused"] = man.graphs["verifier"]
-    man.write(bad)
+    bad = twin_naming_its_source(fused, tmp_path / "bad", "verifier_fused", "verifier")
     with pytest.raises(DSparkError, match="not a fused verifier of this bundle"):
         OrtBackend(bad, Manifest.read(bad))
     assert isinstance(OrtBackend(bad, Manifest.read(bad), verifier="portable").verifier, OrtGraph)

@@ -80,3 +80,17 @@ def tiny_bundle(out, family="qwen3", vocab=16, stop_id=None, **kw):
     pair = Pair(loaded=TinyLoaded(hf, tokdir), target=target, drafter=drafter, draft_source="random")
     export_bundle(pair, out, max_context=256, force=True, quiet=True)
     return hf, target, drafter, out
+
+
+def twin_naming_its_source(bundle, out, twin: str, source: str) -> Path:
+    """A linked copy of `bundle` whose manifest entry `twin` (an ONNX Runtime twin) names the graph `source`: a
+    hostile or stale manifest."""
+    from dspark.bundle import Manifest
+    from dspark.files import linked_copy
+
+    out = Path(out)
+    linked_copy(bundle, out)
+    man = Manifest.read(out)
+    man.graphs[twin] = man.graphs[source]
+    man.write(out)
+    return out
