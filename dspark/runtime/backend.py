@@ -128,6 +128,10 @@ class Backend(ABC):
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> Any:
         """A zero tensor graphs can take as an input (the 'no drafts' probabilities)."""
 
+    def prepare(self, max_batch: int) -> None:
+        """Load now what steps of up to `max_batch` requests would load on first use (a server warms up before it
+        says it is ready, so no request pays for a load); the default has nothing to load."""
+
     def lanes(self, n: int) -> list["Backend"]:
         """n backends on the same loaded graphs, each with its own state, for micro-batches in ping-pong."""
         if n == 1:

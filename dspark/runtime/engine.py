@@ -138,7 +138,9 @@ class Engine:
             return not self._pending and not self._requests
 
     def warm_up(self, prompt_ids: list[int], max_tokens: int = 4) -> None:
-        """One short request through every graph, so the first real request does not pay first-call costs."""
+        """One short request through every graph, so the first real request does not pay first-call costs, and
+        the graphs only batches of several requests take loaded too."""
+        self.runtime.backend.prepare(self.batch)
         self.submit(prompt_ids, RequestOptions(max_tokens=max_tokens)).wait()
 
     def close(self, grace: float = 10.0) -> None:

@@ -156,6 +156,10 @@ class OrtBackend(Backend):
                                   f"bundle (it must take the heads' inputs but temperature and draft_noise, and give "
                                   f"their outputs but draft_probs); rebuild it with `dspark-export fuse {folder}`")
 
+    def prepare(self, max_batch: int) -> None:
+        if max_batch > 1 and isinstance(self.verifier, FusedVerifier):
+            self.verifier.portable  # multi-position steps of several requests run on it (0.8 s to load, fp32 SmolLM2)
+
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
                  prefix: str = "past") -> HostKV:
         return HostKV(layers, batch, kv_heads, capacity, head_dim, what, prefix)

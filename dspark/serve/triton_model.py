@@ -44,6 +44,7 @@ class TritonPythonModel:
                                 max_queue=int(params.get("max_queue", 64)),
                                 max_context=int(params["max_context"]) if params.get("max_context") else None)
         self.engine = Engine(self.runtime, options).start()
+        self.runtime.backend.prepare(self.engine.batch)  # loaded before Triton says the model is ready
         self.lock = threading.Lock()
 
     def execute(self, requests):

@@ -229,3 +229,19 @@ def test_a_fused_graph_that_is_not_this_bundles_is_refused(fused, tmp_path):
     with pytest.raises(DSparkError, match="not a fused verifier of this bundle"):
         OrtBackend(bad, Manifest.read(bad))
     assert isinstance(OrtBackend(bad, Manifest.read(bad), verifier="portable").verifier, OrtGraph)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_serving_engine_loads_the_portable_verifier_before_it_is_ready(fused, slots):
+    """Multi-position steps of several requests run on the portable graph, loaded on first use (0.8 s for
+    SmolLM2 fp32): an engine with several slots loads it while warming up, so no request waits for it; a
+    one-slot engine never needs it."""
+    from dspark.runtime.engine import Engine, EngineOptions
+
+    rt = _runtime(fused, "auto")
+    engine = Engine(rt, EngineOptions(batch_size=slots, policy="all")).start()
+    try:
+        engine.warm_up([3, 4, 5])
+        assert (rt.backend.verifier._portable is not None) == (slots > 1)
+    finally:
+        engine.close()
