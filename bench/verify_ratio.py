@@ -45,6 +45,7 @@ from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.kv import HostKV
 from dspark.export.ort_graphs import fuse_bundle
+from dspark.files import linked_copy
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph, session_options
 
@@ -70,7 +71,7 @@ def build(source: Path, work: Path, name: str, agreement: dict) -> Path:
     if out.exists() and "verifier" in Manifest.read(out).quantized:
         return out
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(fused_copy(source, work / "fp32"), out, copy_function=os.link)
+    linked_copy(fused_copy(source, work / "fp32"), out)
     t0 = time.perf_counter()
     quantize_bundle(out, ["verifier"], replace(VARIANTS[name], **agreement))
     print(f"built {name} in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -84,7 +85,7 @@ def fused_copy(source: Path, out: Path) -> Path:
         return source
     if not (out.exists() and "verifier_fused" in Manifest.read(out).graphs):
         shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(source, out, copy_function=os.link)
+        linked_copy(source, out)
         fuse_bundle(out, ["verifier_fused"])
     return out
 

@@ -59,11 +59,11 @@ def fuse_cmd(bundle, rebuild):
     greedy heads (all-greedy rounds skip the sampling machinery). `dspark run` uses them on CPU; TensorRT builds
     keep the portable graphs."""
     from dspark.bundle import Manifest
-    from dspark.export.ort_graphs import TWINS, fuse_bundle
+    from dspark.export.ort_graphs import fuse_bundle, possible_twins
 
     manifest = Manifest.read(bundle)
     had_sps = "sps_table" in manifest.calibration
-    done = fuse_bundle(bundle, [n for n in TWINS if TWINS[n][1](manifest)] if rebuild else None)
+    done = fuse_bundle(bundle, possible_twins(manifest) if rebuild else None)
     if not any(why is None for why in done.values()):
         click.echo(f"{bundle} already has ONNX Runtime's graphs (--rebuild rebuilds them)")
     files = {name: spec.file for name, spec in Manifest.read(bundle).graphs.items()}

@@ -118,8 +118,8 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
     if plan.managed:  # a demo bundle made before ONNX Runtime's twins (fused verifier, greedy heads)
         from dspark.export.ort_graphs import fuse_bundle, missing_twins
 
-        if missing_twins(manifest):
-            fuse_bundle(bundle, missing_twins(manifest))
+        if missing := missing_twins(manifest):
+            fuse_bundle(bundle, missing)
 
 
 def best_policy(manifest: Manifest) -> tuple[str, str]:

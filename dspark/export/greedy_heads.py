@@ -24,10 +24,9 @@ from dspark.bundle import GraphSpec, Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.graph_copy import load_skeleton
 from dspark.files import normal_mode
+from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS
 
 GREEDY_FILE = "heads_greedy.onnx"
-SAMPLING_INPUTS = ("temperature", "draft_noise")
-SAMPLING_OUTPUTS = ("draft_probs",)
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):

@@ -139,9 +139,8 @@ class _FusedVerifier:
     def __init__(self, model: onnx.ModelProto, target: dict, folder: Path | None):
         self.model, self.g = model, GraphIndex(model)
         self.layers, self.kv_heads, self.hd = target["num_layers"], target["num_kv_heads"], target["head_dim"]
-        if self.hd % 16:
-            raise DSparkError(f"ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple of 16 "
-                              f"(this target's is {self.hd}); the portable verifier serves it")
+        if unfusable(target):
+            raise DSparkError(unfusable(target))
         self.linears = find_linears(self.g)
         missing = [f"layer {i} {r}" for i in range(self.layers) for r in ROLES if (i, r) not in self.linears]
         if missing:
@@ -255,9 +254,16 @@ def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: i
 FUSED_FILE = "verifier_fused.onnx"
 
 
+def unfusable(target: dict) -> str | None:
+    """Why ONNX Runtime's CPU GroupQueryAttention cannot take this target, or None when it can."""
+    if target["head_dim"] % 16:
+        return (f"ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple of 16 (this "
+                f"target's is {target['head_dim']}); the portable verifier serves it")
+    return None
+
+
 def fusable(manifest: Manifest) -> bool:
-    """Whether ONNX Runtime's CPU GroupQueryAttention takes this target (head_dim a multiple of 16)."""
-    return manifest.target["head_dim"] % 16 == 0
+    return unfusable(manifest.target) is None
 
 
 def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:

@@ -16,7 +16,7 @@ from typing import Callable
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.greedy_heads import add_greedy_heads
-from dspark.export.ort_fused import add_fused_verifier, fusable, forget_step_costs
+from dspark.export.ort_fused import add_fused_verifier, fusable, forget_step_costs, unfusable
 from dspark.files import atomic_folder, linked_copy
 
 # twin: (the portable graph it is built from, whether this bundle can have it, builder)
@@ -59,8 +59,12 @@ def rebuild_twins(folder: Path, manifest: Manifest, changed: list[str]) -> None:
                                  if source in changed and name in manifest.graphs], strict=True)
 
 
+def possible_twins(manifest: Manifest) -> list[str]:
+    return [name for name, (_, possible, _) in TWINS.items() if possible(manifest)]
+
+
 def missing_twins(manifest: Manifest) -> list[str]:
-    return [name for name, (_, possible, _) in TWINS.items() if possible(manifest) and name not in manifest.graphs]
+    return [name for name in possible_twins(manifest) if name not in manifest.graphs]
 
 
 def fuse_bundle(bundle: Path, names: list[str] | None = None) -> dict[str, str | None]:
@@ -72,7 +76,7 @@ def fuse_bundle(bundle: Path, names: list[str] | None = None) -> dict[str, str |
     manifest = Manifest.read(bundle)
     skipped = {}
     if names is None:
-        skipped = {n: _why_not(n, manifest) for n, (_, possible, _) in TWINS.items() if not possible(manifest)}
+        skipped = {n: _why_not(n, manifest) for n in TWINS if n not in possible_twins(manifest)}
         if len(skipped) == len(TWINS):
             raise DSparkError("; ".join(skipped.values()))
         names = missing_twins(manifest)
@@ -87,7 +91,5 @@ def fuse_bundle(bundle: Path, names: list[str] | None = None) -> dict[str, str |
 
 
 def _why_not(name: str, manifest: Manifest) -> str:
-    if name == "verifier_fused":
-        return (f"no fused verifier: ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple "
-                f"of 16, this target's is {manifest.target['head_dim']}")
-    return f"no {LABELS[name]}"
+    why = unfusable(manifest.target) if name == "verifier_fused" else None
+    return f"no {LABELS[name]}" + (f": {why}" if why else "")

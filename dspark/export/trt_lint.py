@@ -110,7 +110,7 @@ def lint_model(model: onnx.ModelProto, graph_name: str) -> list[LintFinding]:
 def lint_bundle(bundle: Path, manifest: Manifest | None = None) -> list[LintFinding]:
     manifest = manifest or Manifest.read(bundle)
     out = []
-    for name in GRAPHS:  # the portable graphs (a fused verifier is ONNX Runtime's own)
+    for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
         spec = manifest.graphs[name]
         model = onnx.load(str(Manifest.path(bundle, spec.file)), load_external_data=False)
         out += lint_model(model, name)

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from dspark.bundle import Manifest
 
 ENTRY_POINT_GROUP = "dspark.backends"
+SAMPLING_INPUTS = ("temperature", "draft_noise")  # heads inputs only sampling reads (the greedy heads lack them)
+SAMPLING_OUTPUTS = ("draft_probs",)  # heads outputs only sampling needs
 
 
 class Tensor(Protocol):
@@ -113,8 +115,8 @@ class Backend(ABC):
     verifier: Graph
     draft: Graph
     heads: Graph
-    # the heads of rounds whose every live request is greedy, without temperature / draft_noise inputs and without
-    # draft_probs (the verifier then takes zeros: dspark.export.greedy_heads); None: `heads` takes every round
+    # the heads of rounds whose every live request is greedy, without the SAMPLING_INPUTS and SAMPLING_OUTPUTS
+    # (the verifier then takes zero draft probabilities: dspark.export.greedy_heads); None: `heads` takes every round
     heads_greedy: Graph | None = None
 
     @abstractmethod

@@ -84,7 +84,5 @@ class _HostArray:
         return self.array
 
 
-
-
 def _writable(a) -> bool:
     return isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable

@@ -9,8 +9,8 @@ refresh those estimates, backing off (x2, up to `max_probe`) while skipping keep
 survival seen lately (a per-position envelope of the smoothed survival that fades by `envelope_decay` every round,
 drafted or skipped, so a lucky start such as the server's warm-up request stops counting after ~50 rounds rather
 than ~50 probes) could not pay at the current batch, probes wait `hopeless_probe` rounds, longer the further it is
-from paying: a probe that cannot change the decision is pure cost (at concurrency 8 on CPU one costs about two plain rounds, so probing every 32
-rounds cost DSpark 2-4% against AR, every 128 rounds 1.8%).
+from paying: a probe that cannot change the decision is pure cost (at concurrency 8 on CPU one costs about two
+plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR, every 128 rounds 1.8%).
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
 live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate

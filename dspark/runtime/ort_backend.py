@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from dspark.bundle import GraphSpec, Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.backend import Backend
+from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.kv import HostKV, HostRows
 
@@ -149,9 +149,8 @@ class OrtBackend(Backend):
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
         if "heads_greedy" in manifest.graphs:
             self.heads_greedy = OrtGraph(folder, "heads_greedy", manifest.graphs["heads_greedy"], opts)
-            sampling = ("temperature", "draft_noise", "draft_probs")
-            if (self.heads_greedy.inputs != [n for n in self.heads.inputs if n not in sampling]
-                    or self.heads_greedy.outputs != [n for n in self.heads.outputs if n not in sampling]):
+            if (self.heads_greedy.inputs != [n for n in self.heads.inputs if n not in SAMPLING_INPUTS]
+                    or self.heads_greedy.outputs != [n for n in self.heads.outputs if n not in SAMPLING_OUTPUTS]):
                 raise DSparkError(f"{manifest.graphs['heads_greedy'].file} is not the greedy heads graph of this "
                                   f"bundle (it must take the heads' inputs but temperature and draft_noise, and give "
                                   f"their outputs but draft_probs); rebuild it with `dspark-export fuse {folder}`")

@@ -126,7 +126,7 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     engines_dir.mkdir(exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        for name in GRAPHS:  # the portable graphs (a fused verifier is ONNX Runtime's own)
+        for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
             spec = manifest.graphs[name]
             report["engines"][name], report["plugin_layers"][name] = builder.build(name, spec, profiles[name])
             report["profiles"][name] = [{"name": profile.name, "shapes": {tensor: [list(shape) for shape in shapes]
