@@ -65,6 +65,14 @@ class Manifest:
     def sts_temperatures(self) -> list[float]:
         return list(self.calibration.get("sts_temperatures") or [1.0] * self.block_size)
 
+    def quantized_activations(self, graph: str) -> bool:
+        """Whether the layers of `graph` (all but its vocabulary-sized head) run MatMulNBits that round their
+        activations (accuracy_level 2-4: fp16, bf16, int8), which turns a kernel's last-bit differences between
+        steps of different sizes into different results. Bundles quantized before dspark recorded it: False."""
+        record = self.quantized.get(graph)
+        levels = record.get("layer_accuracy_levels") if isinstance(record, dict) else None
+        return isinstance(levels, list) and any(is_int(v) and v >= 2 for v in levels)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 

@@ -150,6 +150,7 @@ class _FusedVerifier:
         self.eps = _eps(self.g, norm_div)
         self.qk_norm = target.get("family") == "qwen3"
         self.b = GraphBuilder(self.g)
+        self.rows = _PadToTwo(self.b)
         self.proj = Projections(self.b, self.linears, folder)
 
     def build(self, tap_ids: list[int]) -> onnx.ModelProto:
@@ -176,14 +177,17 @@ class _FusedVerifier:
         return _model(self.model, b, presents, self.hd, self.kv_heads)
 
     def _lengths_and_rope(self) -> tuple[str, str, str, str]:
-        """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it."""
-        b = self.b
-        s_len = b.add("Shape", ["tokens"], start=1, end=2)[0]
+        """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it, all
+        counting the padding row (_PadToTwo)."""
+        b, rows = self.b, self.rows
+        s_len = rows.positions
         one = b.const(np.array([1], np.int64), "one")
         past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
-        last = b.add("Sub", [b.add("Add", [past_len, s_len])[0], one])[0]
+        rows.decide(b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0], s_len])[0])
+        last = b.add("Sub", [b.add("Add", [past_len, b.add("Add", [s_len, rows.pad])[0]])[0], one])[0]
         seqlens = b.add("Cast", [last], to=TensorProto.INT32)[0]
-        total = b.add("Squeeze", [b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0], s_len])[0]])[0]
+        total = b.add("Squeeze", [b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0],
+                                                b.add("Add", [s_len, rows.pad])[0]])[0]])[0]
         positions = b.add("Range", [b.const(np.array(0, np.int64), "zero"), total,
                                     b.const(np.array(1, np.int64), "step")])[0]
         pos_f = b.add("Unsqueeze", [b.add("Cast", [positions], to=TensorProto.FLOAT)[0], one])[0]
@@ -204,15 +208,17 @@ class _FusedVerifier:
         layer_input = residual
         qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
         if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
-            q, k, v = qkv, "", ""
+            q, k, v = self.rows.padded(qkv), "", ""
         else:
             q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
             if self.qk_norm:
                 q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
+            q, k, v = (self.rows.padded(t) for t in (q, k, v))
         attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
                      3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"],
                      num_heads=self.linears[(i, "q_proj")].out_features // self.hd, kv_num_heads=self.kv_heads,
                      do_rotary=1, rotary_interleaved=0, scale=float(self.hd) ** -0.5)[0]
+        attn = self.rows.cut(attn)
         o, = proj(i, ("o_proj",), attn)
         gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
         h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS, epsilon=eps)
@@ -227,6 +233,51 @@ class _FusedVerifier:
         shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
         normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
         return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
+
+
+class _PadToTwo:
+    """A one-position step of one request computed like a row of a longer step.
+
+    ONNX Runtime's CPU GroupQueryAttention computes a step of one position on another path than a step of several,
+    and its output differs by a rounding (~1e-7) from that position's row in a longer step; from two positions on,
+    a row is bit-identical whatever the step's length. With fp32 activations that stays a rounding; a verifier whose
+    MatMulNBits quantize activations to int8 (accuracy_level 4) rounds it into a different int8 code, and the
+    difference grows until greedy DSpark (steps of several positions) and autoregressive decoding (steps of one)
+    part ways. So at batch 1 the attention runs on its q/k/v with the last row repeated and its output keeps the
+    step's rows: every position is computed as in a step of at least two. The other kernels (MatMulNBits, MatMul,
+    the normalizations) give a row the same result for any number of rows; they are not padded.
+
+    The extra row's key and value go into the cache one position past the step (never valid: the next step writes
+    there; a prefill's present.* hold it last, and the runtime keeps the prompt's), so the pad is left out where
+    that position is past the cache (and, as ONNX Runtime's kernel refuses several positions of several requests,
+    at batch > 1: see dspark.runtime.fused_verifier, which runs such bundles' steps request by request).
+    """
+
+    def __init__(self, b: GraphBuilder):
+        self.b = b
+        self.positions = b.add("Shape", ["tokens"], start=1, end=2)[0]
+        self.pad = ""
+
+    def decide(self, total: str) -> None:
+        """total: [1] the step's last position + 1 over the batch, without the pad."""
+        b, one = self.b, self.b.const(np.array([1], np.int64), "one")
+        single = b.add("Equal", [b.add("Shape", ["tokens"], start=0, end=1)[0], one])[0]
+        cache = b.add("Shape", ["past.0.key"], start=2, end=3)[0]  # 0: a prefill, whose present.* ONNX Runtime sizes
+        room = b.add("Or", [b.add("Less", [total, cache])[0], b.add("Equal", [cache, b.const(np.array([0], np.int64),
+                                                                                           "zero")])[0]])[0]
+        self.pad = b.add("Cast", [b.add("And", [single, room])[0]], to=TensorProto.INT64)[0]
+        self.last = b.add("Sub", [self.positions, one])[0]
+        self.last_end = b.add("Add", [self.last, self.pad])[0]
+        self.axis = b.const(np.array([1], np.int64), "axis")
+
+    def padded(self, value: str) -> str:
+        b = self.b
+        extra = b.add("Slice", [value, self.last, self.last_end, self.axis])[0]
+        return b.add("Concat", [value, extra], axis=1)[0]
+
+    def cut(self, value: str) -> str:
+        return self.b.add("Slice", [value, self.b.const(np.array([0], np.int64), "zero"), self.positions,
+                                    self.axis])[0]
 
 
 def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int) -> onnx.ModelProto:

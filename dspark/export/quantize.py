@@ -191,8 +191,13 @@ def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: Quantize
     if weights:
         model, record["onnxruntime_quantizer"] = _ort_quantize(model, weights, manifest.target["vocab_size"], graph,
                                                                opts)
-    kinds = Counter(_kind(n) for n in model.graph.node if n.op_type == "MatMulNBits")
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    kinds = Counter(_kind(n) for n in nbits)
     record["matmulnbits"] = dict(sorted(kinds.items()))
+    # what the layers (all but the vocabulary-sized head) do with their activations: dspark.bundle's
+    # Manifest.quantized_activations
+    record["layer_accuracy_levels"] = sorted({_attr(n, "accuracy_level") for n in nbits
+                                              if _attr(n, "N") != manifest.target["vocab_size"]})
     record["bits"] = min(int(k.split("-")[0]) for k in kinds)  # the narrowest weights the graph now holds
     return model, record
 
@@ -209,9 +214,12 @@ def _name_by_weight(weights: list[ConstWeight]) -> None:
         w.node.name = name
 
 
+def _attr(node: onnx.NodeProto, name: str) -> int:
+    return next((a.i for a in node.attribute if a.name == name), 0)
+
+
 def _kind(node: onnx.NodeProto) -> str:
-    attrs = {a.name: a.i for a in node.attribute}
-    return f"{attrs['bits']}-bit, accuracy_level {attrs.get('accuracy_level', 0)}"
+    return f"{_attr(node, 'bits')}-bit, accuracy_level {_attr(node, 'accuracy_level')}"
 
 
 def _write_graph(model: onnx.ModelProto, folder: Path, file: str) -> None:

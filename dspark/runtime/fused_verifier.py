@@ -23,12 +23,18 @@ class FusedVerifier:
     - one request, or one position per request: the fused graph writes the new K/V straight into the cache
       (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
     - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
+
+    With `alone` (a verifier whose activations are quantized), a step of several requests runs as one fused step
+    per request instead: the fused graph computes a batch-1 step's rows as in a step of two or more positions
+    (ort_fused._PadToTwo), which makes a request's tokens the same whatever the step, but it can do that only at
+    batch 1; and a rounding apart between two kernels becomes different int8 codes. Slower at batch > 1 (each
+    request's step reads the weights again), exact.
     """
 
-    def __init__(self, fused: Graph, portable: Callable[[], Graph]):
+    def __init__(self, fused: Graph, portable: Callable[[], Graph], alone: bool = False):
         """portable: what loads the portable graph when a step first needs it (a batch-1 session never does, and
         each ONNX Runtime session holds its own copy of the weights it prepacks)."""
-        self.fused, self._load_portable, self._portable = fused, portable, None
+        self.fused, self._load_portable, self._portable, self.alone = fused, portable, None, alone
         self.layers = sum(1 for name in fused.outputs if name.startswith("present.")) // 2
         self.caches = [(f"past.{i}.{kind}", f"present.{i}.{kind}") for i in range(self.layers)
                        for kind in ("key", "value")]
@@ -42,6 +48,8 @@ class FusedVerifier:
 
     def run(self, feeds: dict) -> dict:
         batch, positions = feeds["tokens"].shape
+        if self.alone and batch > 1:
+            return self._each_request(feeds, batch)
         if not np.any(feeds["past_mask"]):
             self.steps["prefill"] += 1
             return self._prefill(feeds, feeds[self.caches[0][0]], batch)
@@ -63,6 +71,15 @@ class FusedVerifier:
                    for past, _ in self.caches]
             out["new_kv"] = _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))
         return out
+
+    def _each_request(self, feeds: dict, batch: int) -> dict:
+        outs = [self.run({name: value[b:b + 1] for name, value in feeds.items()}) for b in range(batch)]
+        merged = {name: _HostArray(np.concatenate([o[name].numpy() for o in outs]))
+                  for name in ("accepted", "next_token", "taps")}
+        if all(o["new_kv"] is IN_CACHE for o in outs):
+            return {**merged, "new_kv": IN_CACHE}
+        new_kv = np.concatenate([o["new_kv"].numpy() for o in outs], axis=2)  # [L, 2, B, Hkv, positions, hd]
+        return {**merged, "new_kv": _HostArray(new_kv)}
 
     def _prefill(self, feeds: dict, past: np.ndarray, batch: int) -> dict:
         empty = np.zeros((batch, past.shape[1], 0, past.shape[3]), dtype=np.float32)

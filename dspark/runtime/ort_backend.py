@@ -142,7 +142,7 @@ class OrtBackend(Backend):
                 raise DSparkError(f"{manifest.graphs['verifier_fused'].file} is not a fused verifier of this bundle "
                                   f"(it must take the verifier's inputs and write present.* for every layer); "
                                   f"rebuild it with `dspark-export fuse {folder}`")
-            self.verifier = FusedVerifier(fused, portable)
+            self.verifier = FusedVerifier(fused, portable, alone=manifest.quantized_activations("verifier"))
         else:
             self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
@@ -156,7 +156,7 @@ class OrtBackend(Backend):
                                   f"their outputs but draft_probs); rebuild it with `dspark-export fuse {folder}`")
 
     def prepare(self, max_batch: int) -> None:
-        if max_batch > 1 and isinstance(self.verifier, FusedVerifier):
+        if max_batch > 1 and isinstance(self.verifier, FusedVerifier) and not self.verifier.alone:
             self.verifier.portable  # multi-position steps of several requests run on it (0.8 s to load, fp32 SmolLM2)
 
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

@@ -18,6 +18,7 @@ from dspark.export.ort_graphs import TWINS, fuse_bundle
 from dspark.export.quantize import QuantizeOptions, quantize_bundle
 from dspark.files import linked_copy
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.decoder import Decoder
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph
 from support.tiny import tiny_bundle, twin_naming_its_source
@@ -245,3 +246,96 @@ def test_a_serving_engine_loads_the_portable_verifier_before_it_is_ready(fused, 
         assert (rt.backend.verifier._portable is not None) == (slots > 1)
     finally:
         engine.close()
+
+
+def _step(rt, kv, tokens: list[int] | list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(taps, the cache after) of one fused verifier step (a request's tokens, or each request's) from the cache as
+    it is, which is then restored."""
+    before = kv.buffer.copy()
+    ids = np.array(tokens if isinstance(tokens[0], list) else [tokens], dtype=np.int64)
+    b, n = ids.shape
+    feeds = {"tokens": ids, "past_mask": kv.past_mask(), "logit_index": np.tile(np.arange(n), (b, 1)),
+             "verify_len": np.full(b, n - 1), "temperature": np.zeros(b, np.float32),
+             "accept_noise": np.full((b, n), 0.5, np.float32), "sample_noise": np.full(b, 0.5, np.float32),
+             "draft_probs": np.zeros((b, max(n - 1, 1), rt.manifest.target["vocab_size"]), np.float32), **kv.feeds}
+    out = rt.backend.verifier.run(feeds)
+    after = kv.buffer.copy()
+    kv.buffer[...] = before
+    return out["taps"].numpy(), after
+
+
+def test_a_batch_1_step_computes_a_position_as_a_longer_step_does(fused):
+    """One position alone and the same position first of two give bit-identical taps and cache entries (the
+    attention runs on at least two rows: ort_fused._PadToTwo), so greedy DSpark equals AR on a verifier that
+    quantizes activations too."""
+    rt = _runtime(fused, "fused")
+    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_new_tokens=4))
+    next(iter(dec))
+    kv, length = dec.kv, int(dec.kv.lengths[0])
+    one_taps, one_cache = _step(rt, kv, [3])
+    for second in (5, 11):
+        two_taps, two_cache = _step(rt, kv, [3, second])
+        assert np.array_equal(one_taps[0, 0], two_taps[0, 0])
+        assert np.array_equal(one_cache[:, :, 0, :, :length + 1], two_cache[:, :, 0, :, :length + 1])
+
+
+def test_a_step_that_fills_the_cache_leaves_out_the_padding_row(fused):
+    rt = _runtime(fused, "fused")
+    prompt = prompts(1, seed=9)[0]
+    dec = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_new_tokens=4), capacity=len(prompt) + 1)
+    next(iter(dec))
+    kv = dec.kv
+    assert kv.room(0) == 1
+    taps, cache = _step(rt, kv, [3])  # the padding row would go one past the cache: left out, no error
+    roomy = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_new_tokens=4), capacity=len(prompt) + 8)
+    next(iter(roomy))
+    roomy_taps, roomy_cache = _step(rt, roomy.kv, [3])
+    assert np.allclose(taps, roomy_taps, atol=1e-5)
+    assert np.allclose(cache[..., :len(prompt) + 1, :], roomy_cache[..., :len(prompt) + 1, :], atol=1e-5)
+
+
+def test_a_verifier_with_int8_activations_runs_several_requests_one_by_one(fused, tmp_path):
+    """int8 activations turn a rounding apart into different tokens, and only a batch-1 step computes every
+    position alike: several requests' steps run request by request, so each request gets its batch-1 tokens."""
+    q = tmp_path / "q"
+    linked_copy(fused, q)
+    quantize_bundle(q, ["verifier"], QuantizeOptions(bits=8, min_elements=0, agreement_prompts=0))
+    man = Manifest.read(q)
+    assert man.quantized_activations("verifier") and not Manifest.read(fused).quantized_activations("verifier")
+    ps = [[2]] + prompts(4, seed=4)  # a one-token prompt: prefilled alone on one row (plus its copy), or with others
+    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    rt = _runtime(q, "auto")
+    assert rt.backend.verifier.alone
+    rt.backend.prepare(3)
+    assert rt.backend.verifier._portable is None  # never needed
+    batched = [r.token_ids for r in rt.generate(ps, options)]
+    assert rt.backend.verifier.steps["portable"] == 0
+    assert batched == [r.token_ids for r in rt.generate(ps, options.replace(batch_size=1))]
+    assert batched == [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
+    dec = rt.decoder(ps[:3], options)
+    next(iter(dec))  # the three prefilled
+    for tokens in ([[3], [5], [7]], [[3, 4], [5, 6], [7, 8]]):  # each request's rows: its batch-1 step's, bit for bit
+        taps, cache = _step(rt, dec.kv, tokens)
+        for b in range(3):
+            alone = Decoder(rt.backend, rt.manifest, [dec.prompts[b]], options)
+            next(iter(alone))
+            alone_taps, alone_cache = _step(rt, alone.kv, tokens[b])
+            n = int(alone.kv.lengths[0]) + len(tokens[b])
+            assert np.array_equal(taps[b], alone_taps[0])
+            assert np.array_equal(cache[:, :, b, :, :n], alone_cache[:, :, 0, :, :n])
+
+
+@pytest.mark.parametrize("record, rounds", [
+    ({"verifier": {"layer_accuracy_levels": [4]}}, True),
+    ({"verifier": {"layer_accuracy_levels": [0, 2]}}, True),
+    ({"verifier": {"layer_accuracy_levels": [0, 1]}, "heads": {"layer_accuracy_levels": [4]}}, False),
+    ({"verifier": {"matmulnbits": {"4-bit, accuracy_level 4": 3}}}, False),  # recorded before the layers' levels
+    ({"verifier": {"layer_accuracy_levels": "4"}}, False),
+    ({"verifier": {"layer_accuracy_levels": [True, "4", 4.0]}}, False),
+    ({"verifier": [4]}, False),
+    ({}, False),
+])
+def test_quantized_activations_reads_the_quantization_record(fused, record, rounds):
+    man = Manifest.read(fused)
+    man.quantized = record
+    assert man.quantized_activations("verifier") is rounds
