@@ -18,8 +18,9 @@ import click
 @click.option("--block-size", default=32, show_default=True, type=click.IntRange(16, 256),
               help="Quantization block along the reduction axis.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
-              help="MatMulNBits accuracy_level: 4 = int8 activations (fast at any position count), 0 = fp32 "
-                   "(default: 0 for the verifier's 4-bit weights, which keeps DSpark equal to its AR output; else 4).")
+              help="MatMulNBits accuracy_level: 4 = int8 activations (faster; for the verifier exact on its fused "
+                   "twin, which then runs several requests one by one), 0 = fp32 (default: 0 for the verifier's "
+                   "4-bit weights, closer to fp32 and batched; else 4).")
 @click.option("--head-accuracy-level", type=click.IntRange(0, 4),
               help="accuracy_level of the vocabulary-sized MatMul (default: 4 for 8-bit weights).")
 @click.option("--asymmetric", is_flag=True, help="onnxruntime's quantizer with zero points (default: symmetric).")
@@ -39,6 +40,8 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
     """Weight-only MatMulNBits for BUNDLE's graphs (ONNX Runtime CPU). Draft side: decoding stays lossless.
     Verifier: DSpark stays exact with respect to the quantized verifier; its top-1 agreement with fp32 is
     measured and stored in the manifest."""
+    from dspark.bundle import Manifest
+    from dspark.export.ort_fused import unfusable
     from dspark.export.quantize import QuantizeOptions, describe_record, quantize_bundle
 
     names = [g.strip() for g in graph_list.split(",") if g.strip()] if graph_list else []
@@ -46,8 +49,14 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
                            head_accuracy_level=head_accuracy_level, symmetric=not asymmetric, gguf=gguf,
                            min_elements=min_elements, agreement_prompts=agreement_prompts,
                            agreement_tokens=agreement_tokens, prompt_file=prompt_file)
-    for g, rec in quantize_bundle(bundle, names + list(graphs) or ["heads"], opts).items():
+    done = quantize_bundle(bundle, names + list(graphs) or ["heads"], opts)
+    for g, rec in done.items():
         click.echo(describe_record(g, rec))
+    manifest = Manifest.read(bundle)
+    if "verifier" in done and manifest.quantized_activations("verifier") and "verifier_fused" not in manifest.graphs:
+        click.echo(f"warning: the verifier's layers round activations and {bundle} has no fused verifier "
+                   f"({unfusable(manifest.target) or 'see `dspark-export fuse`'}): only the fused verifier keeps "
+                   f"DSpark equal to its AR output then; --accuracy-level 0 keeps the portable one exact", err=True)
 
 
 @click.command("fuse")

@@ -155,6 +155,13 @@ def test_a_bundle_without_a_fused_verifier_refuses_verifier_fused(tmp_path):
         OrtBackend(bundle, Manifest.read(bundle), verifier="fused")
     with pytest.raises(DSparkError, match="unknown verifier"):
         OrtBackend(bundle, Manifest.read(bundle), verifier="fast")
+    res = CliRunner().invoke(export_cli, ["quantize", str(bundle), "--graphs", "verifier", "--min-elements", "0",
+                                          "--agreement-prompts", "0"])  # 8-bit: int8 activations
+    assert res.exit_code == 0, res.output
+    assert "has no fused verifier (ONNX Runtime's GroupQueryAttention on CPU needs a head_dim" in res.output
+    assert Manifest.read(bundle).quantized_activations("verifier")
+    res = CliRunner().invoke(export_cli, ["quantize", str(bundle), "--graphs", "draft", "--min-elements", "0"])
+    assert res.exit_code == 0 and "fused" not in res.output, res.output  # said once, by the verifier's quantize
 
 
 def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch):
