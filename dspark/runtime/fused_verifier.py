@@ -85,7 +85,8 @@ class FusedVerifier:
         empty = np.zeros((batch, past.shape[1], 0, past.shape[3]), dtype=np.float32)
         feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64), **{p: empty for p, _ in self.caches}}
         out = self.fused.run(feeds)
-        new = np.stack([out[present].numpy() for _, present in self.caches])
+        positions = feeds["tokens"].shape[1]  # present.* also hold the padding row of a batch-1 prefill (ort_fused)
+        new = np.stack([out[present].numpy()[:, :, :positions] for _, present in self.caches])
         new_kv = new.reshape(self.layers, 2, *new.shape[1:])
         return {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"],
                 "new_kv": _HostArray(new_kv)}

@@ -346,3 +346,21 @@ def test_quantized_activations_reads_the_quantization_record(fused, record, roun
     man = Manifest.read(fused)
     man.quantized = record
     assert man.quantized_activations("verifier") is rounds
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_a_prefill_returns_the_prompts_entries_only(fused, length):
+    """A batch-1 prefill pads its attention too; the new K/V it returns are the prompt's (as the portable
+    verifier's), not the padding row's."""
+    rt = _runtime(fused, "fused")
+    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_new_tokens=4))
+    past, mask = dec.kv.prefill_feeds(1)
+    feeds = {"tokens": np.arange(2, 2 + length, dtype=np.int64)[None], "past_mask": mask,
+             "logit_index": np.array([[length - 1]]), "verify_len": np.zeros(1, np.int64),
+             "temperature": np.zeros(1, np.float32), "accept_noise": np.full((1, 1), 0.5, np.float32),
+             "sample_noise": np.full(1, 0.5, np.float32),
+             "draft_probs": np.zeros((1, 1, rt.manifest.target["vocab_size"]), np.float32), **past}
+    fused_kv = rt.backend.verifier.run(feeds)["new_kv"].numpy()
+    portable_kv = rt.backend.verifier.portable.run(feeds)["new_kv"].numpy()
+    assert fused_kv.shape == portable_kv.shape and fused_kv.shape[-2] == length
+    assert np.allclose(fused_kv, portable_kv, atol=1e-4)
