@@ -5,7 +5,9 @@ for. When the drafter is weak for the current load, no verification length recov
 verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The gate makes that choice before
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
 draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
-refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning. When even the best
+refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning, separately for each
+number of live requests (whether drafting pays depends on it: a serving engine's batch that drains to a few requests
+where drafting pays must not restart the full batch's back-off, which cost 4 probes per refill). When even the best
 survival seen lately (a per-position envelope of the smoothed survival that fades by `envelope_decay` every round,
 drafted or skipped, so a lucky start such as the server's warm-up request stops counting after ~50 rounds rather
 than ~50 probes) could not pay at the current batch, probes wait `hopeless_probe` rounds, longer the further it is
@@ -36,7 +38,8 @@ class DraftGate:
                  smoothing: float = 0.3, envelope_decay: float = 0.98):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
-        self.base_probe, self.max_probe, self.probe = probe, max_probe, probe
+        self.base_probe, self.max_probe = probe, max_probe
+        self.probes: dict[int, int] = {}  # live requests -> backed-off probe interval (default base_probe)
         self.hopeless_probe = max(hopeless_probe, max_probe)
         self.hopeless_factor = max(hopeless_factor, 1)
         self.min_evidence, self.observed = min_evidence, 0  # drafted rounds seen before a verdict of hopeless
@@ -73,17 +76,18 @@ class DraftGate:
             draft = True  # nothing measured yet
         else:
             ar, spec = self.rates(n)
+            probe = self.probes.get(n, self.base_probe)
             if spec >= ar:
-                draft, self.probe = True, self.base_probe
-            elif self.skipped + 1 >= self._probe_interval(n, ar):  # probe: refresh the estimates
-                draft, self.probe = True, min(2 * self.probe, self.max_probe)
+                draft, self.probes[n] = True, self.base_probe
+            elif self.skipped + 1 >= self._probe_interval(n, ar, probe):  # probe: refresh the estimates
+                draft, self.probes[n] = True, min(2 * probe, self.max_probe)
             else:
                 draft = False
         self.skipped = 0 if draft else self.skipped + 1
         self.since_observed += 1
         return draft
 
-    def _probe_interval(self, live: int, ar: float) -> int:
+    def _probe_interval(self, live: int, ar: float, probe: int) -> int:
         """Rounds to skip before the next probe: the backed-off interval, or, once the back-off has reached
         max_probe, min_evidence drafted rounds have been seen and even the best survival seen lately could not pay
         at this batch, hopeless_probe times how many times slower than AR that best would commit (up to
@@ -91,13 +95,13 @@ class DraftGate:
         A few drafted rounds are no evidence that drafting cannot pay (a request's first also consumes its whole
         prompt): going hopeless after one left 3 of 4 batch-1 requests on the fused verifier undrafted after
         their first round."""
-        evidence = self.probe >= self.max_probe and self.observed >= self.min_evidence  # not on a few rounds' word
-        if self.skipped + 1 >= self.probe and evidence:
+        evidence = probe >= self.max_probe and self.observed >= self.min_evidence  # not on a few rounds' word
+        if self.skipped + 1 >= probe and evidence:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
             best = self.rates(live, np.concatenate(([0.0], faded)))[1]
             if best < ar:
                 return self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
-        return self.probe
+        return probe
 
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
         """After a drafted round: its survival [B, Bk] and what drafting + heads took."""

@@ -101,6 +101,30 @@ def test_one_lucky_round_does_not_keep_the_gate_probing():
     assert _probes(gate, live, 0.1, 0.03, rounds=40) == [1, 5, 13, 21, 33]  # the back-off, then hopeless_probe
 
 
+def test_the_back_off_is_kept_per_number_of_live_requests():
+    """Drafting pays for one live request, not for two (verifying 3+ positions costs 8x one): a round where the
+    batch drained to one request drafts, and must not restart two requests' back-off (it did: a serving engine
+    paid 4 probes after every refill)."""
+    sps = np.array([100.0, 100.0, 12.5, 12.5, 12.5, 12.5, 12.5, 12.5])
+    gate = DraftGate(sps, block_size=4, batch=2, layout=FLAT, probe=2, max_probe=8, hopeless_probe=10 ** 6)
+    two, one = np.array([True, True]), np.array([True, False])
+
+    def rounds(live, n):
+        drafted = []
+        for i in range(n):
+            if gate.should_draft(live):
+                drafted.append(i)
+                gate.observe(np.full((2, 4), 0.5), live, seconds=0.001)
+        return drafted
+
+    assert rounds(two, 1) == [0]  # nothing measured yet
+    ar, spec = gate.rates(2)
+    assert spec < ar and np.greater(*gate.rates(1)[::-1])  # pays for one request, not for two
+    assert rounds(two, 16) == [1, 5, 13]  # backing off: 2, 4, 8
+    assert rounds(one, 3) == [0, 1, 2]  # one request left: every round drafts
+    assert rounds(two, 8) == []  # two again: still backed off, now hopeless (was: a probe after 2 rounds)
+
+
 def test_gate_keeps_drafting_when_it_pays():
     live = np.array([True, True])
     gate = DraftGate(np.array([100.0] * 16), block_size=4, batch=2)
