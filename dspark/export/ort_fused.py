@@ -183,11 +183,12 @@ class _FusedVerifier:
         s_len = rows.positions
         one = b.const(np.array([1], np.int64), "one")
         past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
-        rows.decide(b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0], s_len])[0])
-        last = b.add("Sub", [b.add("Add", [past_len, b.add("Add", [s_len, rows.pad])[0]])[0], one])[0]
+        longest_past = b.add("ReduceMax", [past_len], keepdims=1)[0]
+        rows.decide(b.add("Add", [longest_past, s_len])[0])
+        width = b.add("Add", [s_len, rows.pad])[0]  # the rows attention runs on
+        last = b.add("Sub", [b.add("Add", [past_len, width])[0], one])[0]
         seqlens = b.add("Cast", [last], to=TensorProto.INT32)[0]
-        total = b.add("Squeeze", [b.add("Add", [b.add("ReduceMax", [past_len], keepdims=1)[0],
-                                                b.add("Add", [s_len, rows.pad])[0]])[0]])[0]
+        total = b.add("Squeeze", [b.add("Add", [longest_past, width])[0]])[0]
         positions = b.add("Range", [b.const(np.array(0, np.int64), "zero"), total,
                                     b.const(np.array(1, np.int64), "step")])[0]
         pos_f = b.add("Unsqueeze", [b.add("Cast", [positions], to=TensorProto.FLOAT)[0], one])[0]
@@ -256,28 +257,27 @@ class _PadToTwo:
     def __init__(self, b: GraphBuilder):
         self.b = b
         self.positions = b.add("Shape", ["tokens"], start=1, end=2)[0]
-        self.pad = ""
+        self.zero, self.one = b.const(np.array([0], np.int64), "zero"), b.const(np.array([1], np.int64), "one")
+        self.pad = ""  # [1]: 1 where the step is padded, else 0 (set by decide)
 
     def decide(self, total: str) -> None:
         """total: [1] the step's last position + 1 over the batch, without the pad."""
-        b, one = self.b, self.b.const(np.array([1], np.int64), "one")
-        single = b.add("Equal", [b.add("Shape", ["tokens"], start=0, end=1)[0], one])[0]
+        b = self.b
+        single = b.add("Equal", [b.add("Shape", ["tokens"], start=0, end=1)[0], self.one])[0]
         cache = b.add("Shape", ["past.0.key"], start=2, end=3)[0]  # 0: a prefill, whose present.* ONNX Runtime sizes
-        room = b.add("Or", [b.add("Less", [total, cache])[0], b.add("Equal", [cache, b.const(np.array([0], np.int64),
-                                                                                           "zero")])[0]])[0]
+        fits = b.add("Less", [total, cache])[0]
+        prefill = b.add("Equal", [cache, self.zero])[0]
+        room = b.add("Or", [fits, prefill])[0]
         self.pad = b.add("Cast", [b.add("And", [single, room])[0]], to=TensorProto.INT64)[0]
-        self.last = b.add("Sub", [self.positions, one])[0]
+        self.last = b.add("Sub", [self.positions, self.one])[0]
         self.last_end = b.add("Add", [self.last, self.pad])[0]
-        self.axis = b.const(np.array([1], np.int64), "axis")
 
     def padded(self, value: str) -> str:
-        b = self.b
-        extra = b.add("Slice", [value, self.last, self.last_end, self.axis])[0]
-        return b.add("Concat", [value, extra], axis=1)[0]
+        extra = self.b.add("Slice", [value, self.last, self.last_end, self.one])[0]  # axis 1: the positions
+        return self.b.add("Concat", [value, extra], axis=1)[0]
 
     def cut(self, value: str) -> str:
-        return self.b.add("Slice", [value, self.b.const(np.array([0], np.int64), "zero"), self.positions,
-                                    self.axis])[0]
+        return self.b.add("Slice", [value, self.zero, self.positions, self.one])[0]
 
 
 def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int) -> onnx.ModelProto:
