@@ -21,6 +21,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.backend import Backend, create_backend
 from dspark.runtime.decoder import Decoder, RequestResult, StepTimes
+from dspark.runtime.gate import GateMemory
 from dspark.runtime.options import DecodeOptions
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -70,6 +71,7 @@ class Runtime:
         self.folder = Path(bundle)
         self.manifest = Manifest.read(self.folder)
         self.tokenizer = ChatTokenizer(self.folder)
+        self.gates = GateMemory()  # what the draft gate learned (costs, survival, back-off) outlives one decode
         if isinstance(backend, Backend):
             self.backend = backend
         else:
@@ -107,7 +109,7 @@ class Runtime:
         """Requests beyond `options.batch_size` wait in a queue and take the first slot that frees up."""
         if not isinstance(options, DecodeOptions):
             raise DSparkError(f"options must be DecodeOptions, not {type(options).__name__}")
-        return Decoder(self.backend, self.manifest, self._encode_all(prompts), options)
+        return Decoder(self.backend, self.manifest, self._encode_all(prompts), options, gates=self.gates)
 
     def generate(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions()) -> list[RequestResult]:
         """Decode to the end; each result carries its token ids and `text`."""

@@ -21,7 +21,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.noise import GREEDY_EPS, RequestNoise, stack
 from dspark.runtime.backend import Backend
-from dspark.runtime.gate import DraftGate
+from dspark.runtime.gate import DraftGate, GateMemory
 from dspark.runtime.options import DecodeOptions
 from dspark.runtime.scheduler import RoundPlanner
 
@@ -90,7 +90,7 @@ class Decoder:
 
     def __init__(self, backend: Backend, manifest: Manifest, prompts: list[list[int]],
                  options: DecodeOptions = DecodeOptions(), request_ids: list[int] | None = None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, gates: GateMemory | None = None):
         if not prompts:
             raise DSparkError("no prompts given")
         if any(len(p) == 0 for p in prompts):
@@ -113,7 +113,8 @@ class Decoder:
         self.policy = options.policy
         sps_table = manifest.calibration.get("sps_table")
         self.planner = RoundPlanner(self.policy, b, sps_table)
-        self.gate = None if self.ar or not self.policy.gate else DraftGate(
+        self.gates, self._gate_key = gates, GateMemory.key(self.policy, b, options.temperature == 0)  # or a fresh gate
+        self.gate = None if self.ar or not self.policy.gate else (gates and gates.take(self._gate_key)) or DraftGate(
             self.policy.sps_table(sps_table), self.block_size, b, self.policy.layout)
         self.verify_budget: list[int] = []  # drafts verified per round, summed over requests
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
@@ -329,6 +330,8 @@ class Decoder:
             yield from self._round()
             yield from self._fill_free_slots()
         self.times.total = time.perf_counter() - start
+        if self.gates is not None and self.gate is not None:
+            self.gates.give_back(self._gate_key, self.gate)
 
     def _round(self) -> Iterator[Event]:
         """Steps 1-4 for every live slot (the serving engine calls it between its own admissions)."""

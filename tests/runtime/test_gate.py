@@ -202,3 +202,32 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
     n = int(min(plain.draft_kv.lengths[0], gated.draft_kv.lengths[0]))
     assert n > len(prompt[0]) + 10
     np.testing.assert_allclose(gated.draft_kv.buffer[:, :, 0, :, :n], plain.draft_kv.buffer[:, :, 0, :, :n], atol=1e-5)
+
+
+def test_a_runtime_hands_the_next_decode_the_gate_the_last_one_finished_with(tiny_bundle_v6):
+    """Short decodes in a row (Runtime.generate once per request) must not each pay a fresh gate's probes; two
+    decodes running at once must not share one gate."""
+    from dspark.runtime import DecodeOptions, Runtime
+    from dspark.runtime.scheduler import VerifyPolicy
+
+    rt = Runtime(tiny_bundle_v6[3])
+    prompt = [[1, 4, 2, 0, 3]]
+    free = np.full(64, 1e9, dtype=np.float32)  # a verifier that costs nothing: drafting never pays
+    options = DecodeOptions(max_new_tokens=24, policy=VerifyPolicy("all", gate=True, sps=free))
+    ar = rt.generate(prompt, DecodeOptions(max_new_tokens=24, policy="ar"))[0].token_ids
+    first = rt.decoder(prompt, options)
+    first.gate.live_scale = False
+    assert rt.decoder(prompt, options).gate is not first.gate  # first's is out: a fresh one
+    for _ in first:
+        pass
+    second = rt.decoder(prompt, options)
+    assert second.gate is first.gate and second.gate.observed == first.times.drafted >= 2
+    assert rt.decoder(prompt, options).gate is not second.gate  # taken again: the one running keeps it
+    for other in (options.replace(temperature=0.5), options.replace(policy=VerifyPolicy("schedule", gate=True,
+                                                                                         sps=free))):
+        assert rt.decoder(prompt, other).gate is not second.gate
+    for _ in second:
+        pass
+    assert second.results[0].token_ids == first.results[0].token_ids == ar
+    assert second.times.drafted < first.times.drafted  # it went on backing off where the first had got to
+    assert rt.decoder(prompt, options).gate is second.gate
