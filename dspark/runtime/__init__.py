@@ -1,7 +1,8 @@
 """Torch-free DSpark runtime: load a bundle and decode with ONNX Runtime (CPU) or a registered GPU backend."""
 from dspark.runtime.api import Runtime, Stream
 from dspark.runtime.backend import Backend, register_backend
-from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.runtime.decoder import Decoder
+from dspark.runtime.results import RequestResult
 from dspark.runtime.options import DecodeOptions
 from dspark.runtime.scheduler import VerifyPolicy
 

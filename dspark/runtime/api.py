@@ -20,7 +20,8 @@ from typing import Iterator, Sequence
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.backend import Backend, create_backend
-from dspark.runtime.decoder import Decoder, RequestResult, StepTimes
+from dspark.runtime.decoder import Decoder
+from dspark.runtime.results import RequestResult, StepTimes
 from dspark.runtime.gate import GateMemory
 from dspark.runtime.options import DecodeOptions
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer

@@ -18,7 +18,8 @@ import numpy as np
 from dspark.bundle import Manifest
 from dspark.noise import RequestNoise
 from dspark.runtime.backend import Backend
-from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.runtime.decoder import Decoder
+from dspark.runtime.results import RequestResult
 from dspark.runtime.engine_request import Request
 from dspark.runtime.kv import HostKV, HostRows
 from dspark.runtime.options import DecodeOptions

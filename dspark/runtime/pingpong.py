@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 from dspark.errors import DSparkError
-from dspark.runtime.decoder import Decoder, RequestResult
+from dspark.runtime.decoder import Decoder
+from dspark.runtime.results import RequestResult
 from dspark.runtime.options import DecodeOptions
 
 
