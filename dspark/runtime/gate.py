@@ -44,13 +44,15 @@ def step_seconds(sps: np.ndarray, tokens: int) -> float:
 class DraftGate:
     def __init__(self, sps: np.ndarray, block_size: int, batch: int, layout: int = PADDED, probe: int = 4,
                  max_probe: int = 32, hopeless_probe: int = 128, hopeless_factor: int = 4, min_evidence: int = 6,
-                 smoothing: float = 0.3, envelope_decay: float = 0.98):
+                 smoothing: float = 0.3, envelope_decay: float = 0.98, probe_budget: float | None = 0.005,
+                 max_hopeless: int = 1024):
         self.sps = np.asarray(sps, dtype=np.float64)
         self.batch, self.layout = batch, layout
         self.base_probe, self.max_probe = probe, max_probe
         self.probes: dict[int, int] = {}  # live requests -> backed-off probe interval (default base_probe)
         self.hopeless_probe = max(hopeless_probe, max_probe)
         self.hopeless_factor = max(hopeless_factor, 1)
+        self.probe_budget, self.max_hopeless = probe_budget, max(max_hopeless, self.hopeless_probe)
         self.min_evidence, self.observed = min_evidence, 0  # drafted rounds seen before a verdict of hopeless
         self.smoothing = smoothing
         self.survival = np.zeros(block_size)  # mean over live requests, smoothed over drafted rounds
@@ -109,8 +111,19 @@ class DraftGate:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
             best = self.rates(live, np.concatenate(([0.0], faded)))[1]
             if best < ar:
-                return self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
+                wait = self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
+                return max(wait, min(self.max_hopeless, self._budgeted_wait(live)))
         return probe
+
+    def _budgeted_wait(self, live: int) -> int:
+        """Rounds between probes that keep the cheapest probe's loss against plain steps within probe_budget."""
+        if self.probe_budget is None:
+            return 0
+        width = self.batch if self.layout == PADDED else live
+        plain = self.step(width)
+        loss = min(self.draft_seconds + self.step(width * (1 + k)) - (1 + self.gain[k]) * plain
+                   for k in range(1, len(self.gain)))
+        return int(np.ceil(max(loss, 0.0) / (self.probe_budget * plain)))
 
     def observe(self, survival: np.ndarray, live: np.ndarray, seconds: float) -> None:
         """After a drafted round: its survival [B, Bk] and what drafting + heads took."""

@@ -76,17 +76,42 @@ def test_one_bad_first_round_is_not_enough_to_stop_probing():
 
 def test_gate_waits_longest_when_even_the_best_survival_seen_cannot_pay():
     live = np.array([True])
-    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12)
+    gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
+                     probe_budget=None)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=1.0)  # drafting costs 100 verifier steps
     # the back-off and min_evidence (6) drafted rounds first, then hopeless_factor x hopeless_probe rounds: even
     # its best rate is over 4x below AR's
     assert _probes(gate, live, 0.1, 1.0, rounds=100) == [1, 5, 13, 21, 29, 77]
     plain = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
-                      hopeless_factor=1)
+                      hopeless_factor=1, probe_budget=None)
     plain.should_draft(live)
     plain.observe(np.full((1, 4), 0.1), live, seconds=1.0)
     assert _probes(plain, live, 0.1, 1.0, rounds=50) == [1, 5, 13, 21, 29, 41]
+
+
+def test_a_costly_probe_waits_until_its_loss_fits_the_budget():
+    """A probe that loses two plain steps (draft 0.02 s against a 0.01 s step, nothing accepted) waits 400 rounds
+    to keep probing within 0.5% of the time, where the survival's own verdict would wait 12; never past
+    max_hopeless; a probe that loses almost nothing keeps the survival's wait."""
+    live = np.array([True])
+    sps = np.array([100.0] * 8)
+
+    def hopeless_wait(seconds: float, survival: float = 0.0, **kw) -> int:
+        gate = DraftGate(sps, block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12, hopeless_factor=1,
+                         **kw)
+        gate.should_draft(live)
+        gate.observe(np.full((1, 4), survival), live, seconds=seconds)
+        drafted = _probes(gate, live, survival, seconds, rounds=1200)
+        return drafted[-1] - drafted[-2]
+
+    # k = 1: 0.02 draft + 0.01 for two positions, one committed token worth 0.01: 0.02 lost = 400 x 0.5% x 0.01
+    assert hopeless_wait(0.02) == 400
+    assert hopeless_wait(0.02, probe_budget=None) == 12
+    assert hopeless_wait(1.0) == 1024  # the cap
+    assert hopeless_wait(1.0, max_hopeless=600) == 600
+    # survival 0.1, a 0.0042 s draft: no k pays (k = 4: 1.4 tokens in 0.0142 s), the best loses 0.0002 s: 4 rounds
+    assert hopeless_wait(0.0042, survival=0.1) == 12
 
 
 def test_one_lucky_round_does_not_keep_the_gate_probing():
@@ -94,7 +119,7 @@ def test_one_lucky_round_does_not_keep_the_gate_probing():
     smoothed survival to 0.34, so once the back-off is done probes still wait hopeless_probe rounds."""
     live = np.array([True])
     gate = DraftGate(np.array([100.0] * 8), block_size=4, batch=1, probe=2, max_probe=8, hopeless_probe=12,
-                     hopeless_factor=1)
+                     hopeless_factor=1, probe_budget=None)
     assert gate.should_draft(live)
     gate.observe(np.full((1, 4), 0.1), live, seconds=0.03)
     gate.observe(np.full((1, 4), 0.9), live, seconds=0.03)
