@@ -56,9 +56,11 @@ class Decoder:
         self.policy = options.policy
         sps_table = manifest.calibration.get("sps_table")
         self.planner = RoundPlanner(self.policy, b, sps_table)
-        self.gates, self._gate_key = gates, GateMemory.key(self.policy, b, options.temperature == 0)  # or a fresh gate
-        self.gate = None if self.ar or not self.policy.gate else (gates and gates.take(self._gate_key)) or DraftGate(
-            self.policy.sps_table(sps_table), self.block_size, b, self.policy.layout)
+        self.gates, self._gate_key = gates, GateMemory.key(self.policy, b, options.temperature == 0)
+
+        def fresh() -> DraftGate:
+            return DraftGate(self.policy.sps_table(sps_table), self.block_size, b, self.policy.layout)
+        self.gate = None if self.ar or not self.policy.gate else gates.take(self._gate_key, fresh) if gates else fresh()
         self.verify_budget: list[int] = []  # drafts verified per round, summed over requests
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)

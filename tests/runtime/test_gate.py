@@ -4,7 +4,8 @@ import pytest
 
 from dspark.errors import DSparkError
 from dspark.ops.confidence_truncate.reference import FLAT, PADDED
-from dspark.runtime.gate import DraftGate, step_seconds
+from dspark.runtime.gate import DraftGate, GateMemory, step_seconds
+from dspark.runtime.scheduler import VerifyPolicy
 
 
 def test_step_seconds_reads_the_table_and_extrapolates_linearly():
@@ -33,7 +34,7 @@ def _probes(gate, live, survival: float, seconds: float, rounds: int = 20) -> li
         d = gate.should_draft(live)
         pattern.append(d)
         if d:
-            gate.observe(np.full((1, 4), survival), live, seconds=seconds)
+            gate.observe(np.full((len(live), 4), survival), live, seconds=seconds)
     return [i for i, d in enumerate(pattern) if d]
 
 
@@ -112,6 +113,36 @@ def test_a_costly_probe_waits_until_its_loss_fits_the_budget():
     assert hopeless_wait(1.0, max_hopeless=600) == 600
     # survival 0.1, a 0.0042 s draft: no k pays (k = 4: 1.4 tokens in 0.0142 s), the best loses 0.0002 s: 4 rounds
     assert hopeless_wait(0.0042, survival=0.1) == 12
+
+
+def test_a_gate_for_a_new_batch_size_starts_from_the_survival_another_one_learned():
+    """A runtime that decoded at batch 1 and now decodes a batch of 2: the new gate knows the drafter's survival
+    (it cannot pay) and probes once to time the draft at this batch, then waits the hopeless wait, instead of
+    backing off 2, 4, 8 first. Gates of another greedy-ness or policy learn nothing from it."""
+    sps = np.array([100.0] * 8)
+    policy = VerifyPolicy("all", gate=True, sps=sps)
+    memory = GateMemory()
+
+    def make(batch: int):
+        return lambda: DraftGate(sps, block_size=4, batch=batch, probe=2, max_probe=8, hopeless_probe=12,
+                                 hopeless_factor=1, probe_budget=None)
+
+    one = memory.take(GateMemory.key(policy, 1, True), make(1))
+    assert one.observed == 0 and not one.seasoned
+    _probes(one, np.array([True]), 0.1, 0.03, rounds=60)
+    memory.give_back(GateMemory.key(policy, 1, True), one)
+    two = memory.take(GateMemory.key(policy, 2, True), make(2))
+    assert two is not one and two.seasoned and two.observed == one.observed >= two.min_evidence
+    np.testing.assert_array_equal(two.survival, one.survival)
+    assert two.draft_seconds is None
+    live = np.array([True, True])
+    assert _probes(two, live, 0.1, 0.03, rounds=30) == [0, 12, 24]
+    assert _probes(make(2)(), live, 0.1, 0.03, rounds=30) == [0, 2, 6, 14, 22]  # without: the back-off
+    assert memory.take(GateMemory.key(policy, 1, True), make(1)) is one  # still kept for batch 1
+    memory.give_back(GateMemory.key(policy, 1, True), one)
+    other = VerifyPolicy("schedule", gate=True, sps=sps)
+    for key in (GateMemory.key(policy, 2, False), GateMemory.key(other, 2, True)):
+        assert memory.take(key, make(2)).observed == 0
 
 
 def test_one_lucky_round_does_not_keep_the_gate_probing():
