@@ -23,7 +23,8 @@ A loaded bundle keeps its gates between decodes (GateMemory): the serving engine
 engine, and `Runtime.generate` called once per request hands each decode the gate the previous one finished with.
 A fresh gate pays its cold start: drafted rounds at 1, 5, 13, 29 and 61 rounds before it has the evidence to
 probe rarely. On a drafter that cannot pay (GGUF blocks at batch 1: drafting + heads ~6 ms against a 12 ms step,
-0.03 accepted per round) that was 5-6 wasted drafts per 96-token request, 3% of DSpark's speed against AR.
+0.03 accepted per round) that was 5-6 wasted drafts per 96-token request, 3% of DSpark's speed against AR. A
+gate for a batch size not seen before starts from the survival another batch size's gate learned (`inherit`).
 """
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ class DraftGate:
         A few drafted rounds are no evidence that drafting cannot pay (a request's first also consumes its whole
         prompt): going hopeless after one left 3 of 4 batch-1 requests on the fused verifier undrafted after
         their first round."""
-        evidence = (probe >= self.max_probe or self.seasoned) and self.observed >= self.min_evidence  # not on a few
-        # rounds' word
+        backed_off = probe >= self.max_probe or self.seasoned
+        evidence = backed_off and self.observed >= self.min_evidence  # not on a few rounds' word
         if self.skipped + 1 >= probe and evidence:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
             best = self.rates(live, np.concatenate(([0.0], faded)))[1]
@@ -176,12 +177,13 @@ class GateMemory:
     def take(self, key: tuple, fresh: Callable[[], DraftGate]) -> DraftGate:
         with self._lock:
             gate = self._kept.pop(key, None)
-            if gate is not None:
-                return gate
-            others = [g for k, g in self._kept.items() if k[:2] == key[:2] and k[3] == key[3]]
+        if gate is not None:
+            return gate
         gate = fresh()
-        if others:
-            gate.inherit(max(others, key=lambda g: g.observed))
+        with self._lock:  # a kept gate is in no decode's hands; the lock keeps it there while it is read
+            others = [g for k, g in self._kept.items() if k[:2] == key[:2] and k[3] == key[3]]
+            if others:
+                gate.inherit(max(others, key=lambda g: g.observed))
         return gate
 
     def give_back(self, key: tuple, gate: DraftGate) -> None:
