@@ -84,11 +84,15 @@ class DraftGate:
     def step(self, tokens: int) -> float:
         return (1.0 if self.scale is None else self.scale) * step_seconds(self.sps, tokens)
 
+    def width(self, live: int) -> int:
+        """Rows a verifier step computes: the whole batch (padded layout) or the live requests (flat)."""
+        return self.batch if self.layout == PADDED else live
+
     def rates(self, live: int, gain: np.ndarray | None = None) -> tuple[float, float]:
         """Expected committed tokens/s of (an autoregressive step, the best common verification length), with the
         expected accepted drafts `gain` (default: from the smoothed survival)."""
         gain = self.gain if gain is None else gain
-        width = self.batch if self.layout == PADDED else live
+        width = self.width(live)
         ar = live / self.step(width)
         spec = max(live * (1 + gain[k]) / (self.draft_seconds + self.step(width * (1 + k)))
                    for k in range(len(gain)))
@@ -133,7 +137,7 @@ class DraftGate:
         """Rounds between probes that keep the cheapest probe's loss against plain steps within probe_budget."""
         if self.probe_budget is None:
             return 0
-        width = self.batch if self.layout == PADDED else live
+        width = self.width(live)
         plain = self.step(width)
         loss = min(self.draft_seconds + self.step(width * (1 + k)) - (1 + self.gain[k]) * plain
                    for k in range(1, len(self.gain)))
