@@ -1,15 +1,30 @@
-"""A GGUF file's own quantized blocks, re-expressed as ONNX Runtime MatMulNBits weights (blocks of 32 along K).
+"""A GGUF file's own quantized blocks, re-expressed as ONNX Runtime MatMulNBits weights, exactly.
 
-  Q8_0  w = d * q, q int8             -> 8-bit, stored q + 128 with the default zero point 128: exact
-  Q4_0  w = d * (q - 8), q in 0..15   -> 4-bit, the default zero point 8: exact
-  Q4_1  w = d * q + m, q in 0..15     -> 4-bit with zero points 0 plus a per-block minimum term: y = x W^T is
-        MatMulNBits(x) + blocksum(x) @ M, where blocksum sums x over each block of 32 and M [K/32, N] holds the
-        minima ("mins"). Each weight is still d * q + m, as the GGUF reader computes it. MatMulNBits' floating
-        zero points (zp = -m / d) express the same weights inexactly and run on a slow path of the CPU kernel
-        (dequantize, then a float GEMM); mode "float-zp" builds them for measurement only.
+Every GGUF format below stores, per sub-block of `sub` consecutive input features of one output row, integer
+values v, a float scale s and, for the asymmetric formats, a float minimum m: w = s * v (+ m). MatMulNBits holds
+w = scale * (code - zero_point) per block of `sub`, so the values become codes (v + 8 in 4 bits with the default
+zero point 8, v + 128 in 8 bits with the default 128, or v itself in 4 bits with zero points 0), the scales are
+computed in float32 exactly as the gguf reader computes them, and a minimum becomes a second, small term:
+y = x W^T = MatMulNBits(x) + blocksum(x) @ M, where blocksum sums x over each sub-block and M [K/sub, N] holds the
+minima ("mins"). Each weight ONNX Runtime multiplies by is then s * v + m, rounded as the reader rounds it.
 
-GGUF stores row n of a [N, K] matrix as K/32 consecutive blocks; a 4-bit block packs element j in the low nibble
-and element j + 16 in the high nibble of byte j, MatMulNBits packs elements 2i and 2i + 1 into byte i.
+  format  sub  values        MatMulNBits              minimum term
+  Q8_0    32   int8          8-bit                    no
+  Q4_0    32   0..15 - 8     4-bit                    no
+  Q4_1    32   0..15         4-bit, zero points 0     yes
+  Q5_0    32   0..31 - 16    8-bit                    no
+  Q5_1    32   0..31         8-bit                    yes
+  Q2_K    16   0..3          4-bit, zero points 0     yes (scale d * 4-bit, minimum dmin * 4-bit)
+  Q3_K    16   -4..3         4-bit                    no  (scale d * (6-bit - 32))
+  Q4_K    32   0..15         4-bit, zero points 0     yes (scale d * 6-bit, minimum dmin * 6-bit)
+  Q5_K    32   0..31         8-bit                    yes (as Q4_K)
+  Q6_K    16   0..63 - 32    8-bit                    no  (scale d * int8)
+
+Q4_1's minimum can also be written as MatMulNBits' floating zero points (zp = -m / d): inexact, and a slow path of
+the CPU kernel (dequantize, then a float GEMM); mode "float-zp" builds them for measurement only.
+
+GGUF stores row n of a [N, K] matrix as K/B consecutive blocks (B = 32, or 256 for the K-quants' super-blocks);
+MatMulNBits packs 4-bit codes 2i and 2i + 1 into byte i of a block.
 """
 from __future__ import annotations
 
@@ -23,24 +38,27 @@ from dspark.lazy import LazyModule
 
 gguf = LazyModule("gguf", "pip install gguf (it comes with transformers' GGUF support)")
 
-BLOCK = 32
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 Q4_1_MODES = ("mins", "float-zp")
+QK_K = 256  # elements of a K-quant super-block
 
 
 @dataclass
 class GgufMatrix:
-    """One 2-D quantized tensor as the file stores it: rows x (K/32 blocks of raw bytes)."""
+    """One 2-D quantized tensor as the file stores it: rows x (K/B blocks of raw bytes)."""
     name: str
-    qtype: str  # "Q8_0", "Q4_0", "Q4_1"
+    qtype: str  # one of FORMATS
     rows: int  # N (output features)
     cols: int  # K (input features, the quantized axis)
-    raw: np.ndarray  # uint8 [N, K/32, bytes per block]
+    raw: np.ndarray  # uint8 [N, K/B, bytes per block]
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, by the gguf package's own dequantizer (what transformers' GGUF loader uses)."""
         qtype = gguf.GGMLQuantizationType[self.qtype]
         return gguf.quants.dequantize(self.raw.reshape(self.rows, -1), qtype).reshape(self.rows, self.cols)
+
+    def take_rows(self, start: int, stop: int) -> "GgufMatrix":
+        return GgufMatrix(self.name, self.qtype, stop - start, self.cols, self.raw[start:stop])
 
 
 @dataclass
@@ -65,6 +83,18 @@ class NBitsWeight:
 
         return NBitsWeight(self.bits, self.block_size, self.rows, self.cols, pick(self.packed), pick(self.scales),
                            pick(self.zero_points), pick(self.mins))
+
+    def window(self, rows: int, cols: int) -> "NBitsWeight":
+        """The weight's first `rows` outputs over its first `cols` inputs (whole blocks), as a weight of its own:
+        probing a window of a real-size matrix costs what probing a small one does."""
+        rows, blocks = min(rows, self.rows), min(cols, self.cols) // self.block_size
+        zp = self.zero_points
+        if zp is not None:
+            zp = (np.zeros(rows * ((blocks * self.bits + 7) // 8), np.uint8) if zp.dtype == np.uint8
+                  else np.ascontiguousarray(zp[:rows, :blocks]))
+        cut = (lambda a: None if a is None else np.ascontiguousarray(a[:rows, :blocks]))
+        return NBitsWeight(self.bits, self.block_size, rows, blocks * self.block_size, cut(self.packed),
+                           cut(self.scales), zp, cut(self.mins))
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32: what MatMulNBits (+ the mins term) computes as the weight, in numpy."""
@@ -95,34 +125,141 @@ def _pack4(codes: np.ndarray) -> np.ndarray:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
-    """GGUF 4-bit block bytes [..., 16] -> codes [..., 32] in element order."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+@dataclass
+class SubBlocks:
+    """A GGUF matrix decoded to w = scales * values (+ mins), one scale (and minimum) per sub-block."""
+    values: np.ndarray  # int16 [N, K/sub, sub]
+    scales: np.ndarray  # float32 [N, K/sub]
+    mins: np.ndarray | None = None  # float32 [N, K/sub]: added to every weight of the sub-block
+
+
+def _unfold(b: np.ndarray, chunk: int, shifts: tuple[int, ...], mask: int) -> np.ndarray:
+    """Bit fields of bytes [..., n] -> [..., n * len(shifts)] in element order: chunks of `chunk` bytes, each
+    giving its bytes' field at shifts[0], then at shifts[1], ... (how GGUF lays its low and high bits out)."""
+    lead = b.shape[:-1]
+    parts = b.reshape(lead + (-1, 1, chunk)) >> np.array(shifts, dtype=np.uint8).reshape(-1, 1)
+    return (parts & np.uint8(mask)).reshape(lead + (-1,))
 
 
 def _half(raw: np.ndarray, at: int) -> np.ndarray:
-    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+    """The float16 at byte `at` of every block, as float32 [N, nb, 1]."""
+    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _per_sub(x: np.ndarray, sub: int) -> np.ndarray:
+    """[N, nb, values per block] -> [N, nb * block / sub, sub]."""
+    return x.reshape(x.shape[0], -1, sub)
+
+
+def _low_high(low: np.ndarray, high: np.ndarray, shift: int) -> np.ndarray:
+    return low.astype(np.int16) | (high.astype(np.int16) << shift)
+
+
+def _q5_high(raw: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0/Q5_1's 32 high bits (a little-endian uint32): bit j is element j's."""
+    return np.unpackbits(np.ascontiguousarray(raw[..., at:at + 4]), axis=-1, bitorder="little")
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit minima per super-block."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q8_0(raw):
+    return SubBlocks(raw[..., 2:].view(np.int8).astype(np.int16), _half(raw, 0)[..., 0])
+
+
+def _q4_0(raw):
+    return SubBlocks(_unfold(raw[..., 2:], 16, (0, 4), 0x0F).astype(np.int16) - 8, _half(raw, 0)[..., 0])
+
+
+def _q4_1(raw):
+    return SubBlocks(_unfold(raw[..., 4:], 16, (0, 4), 0x0F).astype(np.int16), _half(raw, 0)[..., 0],
+                     _half(raw, 2)[..., 0])
+
+
+def _q5_0(raw):
+    values = _low_high(_unfold(raw[..., 6:], 16, (0, 4), 0x0F), _q5_high(raw, 2), 4) - 16
+    return SubBlocks(values, _half(raw, 0)[..., 0])
+
+
+def _q5_1(raw):
+    values = _low_high(_unfold(raw[..., 8:], 16, (0, 4), 0x0F), _q5_high(raw, 4), 4)
+    return SubBlocks(values, _half(raw, 0)[..., 0], _half(raw, 2)[..., 0])
+
+
+def _q2_k(raw):
+    scales, d, dmin = raw[..., 0:16], _half(raw, 80), _half(raw, 82)
+    values = _per_sub(_unfold(raw[..., 16:80], 32, (0, 2, 4, 6), 0x03).astype(np.int16), 16)
+    sc = d * (scales & 0x0F).astype(np.float32)
+    mn = dmin * (scales >> 4).astype(np.float32)
+    return SubBlocks(values, sc.reshape(values.shape[:2]), -mn.reshape(values.shape[:2]))
+
+
+def _q3_k(raw):
+    low = _unfold(raw[..., 32:96], 32, (0, 2, 4, 6), 0x03)
+    high = _unfold(raw[..., 0:32], 32, tuple(range(8)), 0x01)
+    values = _per_sub(low.astype(np.int16) - ((1 - high.astype(np.int16)) << 2), 16)
+    s = raw[..., 96:108]
+    six = _unfold(s[..., 0:8], 8, (0, 4), 0x0F) | (_unfold(s[..., 8:12], 4, (0, 2, 4, 6), 0x03) << 4)
+    sc = _half(raw, 108) * (six.astype(np.int8) - np.int8(32)).astype(np.float32)
+    return SubBlocks(values, sc.reshape(values.shape[:2]))
+
+
+def _q4_k(raw, high: np.ndarray | None = None, at: int = 16):
+    d, dmin = _half(raw, 0), _half(raw, 2)
+    sc, mn = _k_scale_min(raw[..., 4:16])
+    low = _unfold(raw[..., at:at + 128], 32, (0, 4), 0x0F)
+    values = _per_sub(low.astype(np.int16) if high is None else _low_high(low, high, 4), 32)
+    return SubBlocks(values, (d * sc).reshape(values.shape[:2]), -(dmin * mn).reshape(values.shape[:2]))
+
+
+def _q5_k(raw):
+    return _q4_k(raw, _unfold(raw[..., 16:48], 32, tuple(range(8)), 0x01), at=48)
+
+
+def _q6_k(raw):
+    values = _low_high(_unfold(raw[..., 0:128], 64, (0, 4), 0x0F), _unfold(raw[..., 128:192], 32, (0, 2, 4, 6), 0x03),
+                       4) - 32
+    values = _per_sub(values, 16)
+    sc = _half(raw, 208) * raw[..., 192:208].view(np.int8).astype(np.float32)
+    return SubBlocks(values, sc.reshape(values.shape[:2]))
+
+
+DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
+            "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+# the range of each format's values: 4-bit MatMulNBits codes where it fits, else 8-bit
+VALUE_RANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
+               "Q2_K": (0, 3), "Q3_K": (-4, 3), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+
+
+def sub_blocks(m: GgufMatrix) -> SubBlocks:
+    """The matrix's values, scales and minima, computed in float32 as the gguf reader computes them."""
+    if m.qtype not in DECODERS:
+        raise DSparkError(f"{m.name}: GGUF type {m.qtype} has no MatMulNBits form here ({', '.join(FORMATS)})")
+    return DECODERS[m.qtype](m.raw)
 
 
 def to_nbits(m: GgufMatrix, q4_1: str = "mins") -> NBitsWeight:
     """The MatMulNBits form of a GGUF matrix (see the module docstring)."""
-    n, nb = m.rows, m.cols // BLOCK
-    if m.qtype == "Q8_0":
-        codes = (m.raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return NBitsWeight(8, BLOCK, n, m.cols, codes, _half(m.raw, 0))
-    codes = _gguf_nibbles(m.raw[..., -16:])
-    packed = _pack4(codes)
-    if m.qtype == "Q4_0":
-        return NBitsWeight(4, BLOCK, n, m.cols, packed, _half(m.raw, 0))
-    if m.qtype != "Q4_1":
-        raise DSparkError(f"{m.name}: GGUF type {m.qtype} has no MatMulNBits form here ({', '.join(FORMATS)})")
-    d, mins = _half(m.raw, 0), _half(m.raw, 2)
-    if q4_1 == "float-zp":
+    blocks = sub_blocks(m)
+    n, nb, sub = blocks.values.shape
+    low, high = VALUE_RANGE[m.qtype]
+    if m.qtype == "Q4_1" and q4_1 == "float-zp":
+        d = blocks.scales
         with np.errstate(divide="ignore", invalid="ignore"):
-            zp = np.where(d == 0, 0.0, -mins / d).astype(np.float32)
-        return NBitsWeight(4, BLOCK, n, m.cols, packed, d, zero_points=zp)
-    zeros = np.zeros(n * ((nb * 4 + 7) // 8), dtype=np.uint8)
-    return NBitsWeight(4, BLOCK, n, m.cols, packed, d, zero_points=zeros, mins=mins)
+            zp = np.where(d == 0, 0.0, -blocks.mins / d).astype(np.float32)
+        return NBitsWeight(4, sub, n, m.cols, _pack4(blocks.values.astype(np.uint8)), d, zero_points=zp)
+    if blocks.mins is not None and high <= 15:  # unsigned 4-bit values: zero points 0
+        zeros = np.zeros(n * ((nb * 4 + 7) // 8), dtype=np.uint8)
+        return NBitsWeight(4, sub, n, m.cols, _pack4(blocks.values.astype(np.uint8)), blocks.scales, zeros,
+                           blocks.mins)
+    if low >= -8 and high <= 7:  # signed 4-bit values: the default zero point 8
+        return NBitsWeight(4, sub, n, m.cols, _pack4((blocks.values + 8).astype(np.uint8)), blocks.scales)
+    return NBitsWeight(8, sub, n, m.cols, (blocks.values + 128).astype(np.uint8), blocks.scales, mins=blocks.mins)
 
 
 def read_matrices(path: Path) -> tuple[list[GgufMatrix], dict[str, str]]:
@@ -138,9 +275,10 @@ def read_matrices(path: Path) -> tuple[list[GgufMatrix], dict[str, str]]:
             continue
         qtype = t.tensor_type.name
         cols, rows = int(t.shape[0]), int(t.shape[1])  # ggml order: ne0 = K is the fastest axis
-        if qtype not in FORMATS or cols % BLOCK:
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0] if qtype in FORMATS else 0
+        if qtype not in FORMATS or cols % block:
             other[t.name] = qtype
             continue
-        raw = np.asarray(t.data).reshape(rows, cols // BLOCK, -1)
+        raw = np.asarray(t.data).reshape(rows, cols // block, -1)
         found.append(GgufMatrix(t.name, qtype, rows, cols, raw))
     return found, other

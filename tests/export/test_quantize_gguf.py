@@ -5,12 +5,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from onnx import helper, numpy_helper
 
 from dspark.errors import DSparkError
-from dspark.export.gguf_blocks import GgufMatrix, read_matrices, to_nbits
+from dspark.export.gguf_blocks import FORMATS as ALL_FORMATS
+from dspark.export.gguf_blocks import VALUE_RANGE, GgufMatrix, read_matrices, sub_blocks, to_nbits
 from dspark.export.gguf_map import match_weights, row_hashes
 from dspark.export.nbits_graph import NBitsWriter, constant_matmul_weights, probe_weight
 
@@ -23,9 +24,9 @@ def write_gguf(path, tensors: dict[str, tuple[str, np.ndarray]]):
     dequantized = {}
     for name, (qtype, w) in tensors.items():
         t = GGMLQuantizationType[qtype]
-        raw = quantize(w, t) if qtype != "F32" else w
+        raw = quantize(w, t) if qtype not in ("F32", "F16") else w
         writer.add_tensor(name, raw, raw_dtype=t)
-        dequantized[name] = dequantize(raw, t).reshape(w.shape) if qtype != "F32" else w
+        dequantized[name] = dequantize(raw, t).reshape(w.shape) if qtype not in ("F32", "F16") else w
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -131,14 +132,77 @@ def test_row_hashes_tell_rows_apart_and_match_equal_rows():
     assert row_hashes(nudged)[5] != h[5]
 
 
+# byte offsets of each format's float16 fields in a block (the rest of a random block is any bytes at all)
+HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+          "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rng, fmt: str, n: int, k: int) -> np.ndarray:
+    """Raw blocks [n, k/B, bytes] of a GGUF format: random bits, with finite float16 scales (gguf's Python package
+    cannot quantize to the K-quants; any bit pattern is a valid block)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in HALVES[fmt]:
+        halves = (rng.standard_normal((n, k // block)) * 0.02).astype(np.float16)
+        halves[0, 0] = 0.0  # a zero scale
+        raw[..., at:at + 2] = halves.view(np.uint8).reshape(n, k // block, 2)
+    return raw
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_every_format_equals_the_readers_values_bit_for_bit(fmt):
+    rng = np.random.default_rng(len(fmt) * 7 + ord(fmt[1]))
+    m = GgufMatrix("blk.0.ffn_up.weight", fmt, 24, 512, random_blocks(rng, fmt, 24, 512))
+    want = m.dequantize()
+    blocks = sub_blocks(m)
+    low, high = VALUE_RANGE[fmt]
+    assert blocks.values.min() >= low and blocks.values.max() <= high
+    assert blocks.values.min() == low and blocks.values.max() == high  # random bits reach both ends of the range
+    nbits = to_nbits(m)
+    assert nbits.block_size == blocks.values.shape[-1] and (nbits.mins is not None) == (blocks.mins is not None)
+    assert nbits.bits == (4 if high - low <= 15 else 8)
+    assert np.array_equal(nbits.dequantize(), want)  # the numpy formula of the op
+    assert np.array_equal(probe_weight(nbits), want)  # what the CPU kernel multiplies by
+
+
+def test_a_block_decoded_wrong_is_seen():
+    """The bit-for-bit comparison above can fail: a Q6_K whose high bits were read one shift off differs."""
+    rng = np.random.default_rng(5)
+    m = GgufMatrix("w", "Q6_K", 4, 256, random_blocks(rng, "Q6_K", 4, 256))
+    nbits = to_nbits(m)
+    codes = nbits.packed.astype(np.int16)
+    nbits.packed = np.clip(codes + ((codes & 1) * 2 - 1), 0, 255).astype(np.uint8)  # every value one off
+    assert not np.array_equal(probe_weight(nbits), m.dequantize())
+
+
+def test_k_quant_files_are_read_by_super_block(tmp_path):
+    rng = np.random.default_rng(8)
+    path = tmp_path / "k.gguf"
+    writer = GGUFWriter(str(path), "qwen3")
+    raws = {f"blk.0.{part}.weight": (fmt, random_blocks(rng, fmt, 16, 512))
+            for part, fmt in (("attn_q", "Q4_K"), ("attn_v", "Q6_K"), ("ffn_down", "Q5_K"))}
+    for name, (fmt, raw) in raws.items():
+        writer.add_tensor(name, raw.reshape(16, -1), raw_dtype=GGMLQuantizationType[fmt])
+    writer.add_tensor("blk.0.ffn_up.weight", rng.standard_normal((16, 64)).astype(np.float16))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    found, other = read_matrices(path)
+    assert other == {"blk.0.ffn_up.weight": "F16"}
+    for m in found:
+        fmt, raw = raws[m.name]
+        assert (m.qtype, m.rows, m.cols) == (fmt, 16, 512) and np.array_equal(m.raw, raw)
+        assert np.array_equal(probe_weight(to_nbits(m)), m.dequantize())
+
+
 def test_unsupported_formats_and_bad_files(tmp_path):
     path = tmp_path / "k.gguf"
     write_gguf(path, {"blk.0.attn_q.weight": ("Q4_0", np.ones((32, 64), np.float32)),
-                      "blk.0.ffn_up.weight": ("Q5_0", np.ones((32, 64), np.float32))})
+                      "blk.0.ffn_up.weight": ("F16", np.ones((32, 64), np.float16))})
     found, other = read_matrices(path)
-    assert [m.name for m in found] == ["blk.0.attn_q.weight"] and other == {"blk.0.ffn_up.weight": "Q5_0"}
-    bad = GgufMatrix("x", "Q5_0", 1, 32, np.zeros((1, 1, 22), np.uint8))
-    with pytest.raises(DSparkError, match="Q5_0"):
+    assert [m.name for m in found] == ["blk.0.attn_q.weight"] and other == {"blk.0.ffn_up.weight": "F16"}
+    bad = GgufMatrix("x", "IQ4_NL", 1, 32, np.zeros((1, 1, 18), np.uint8))
+    with pytest.raises(DSparkError, match="IQ4_NL"):
         to_nbits(bad)
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
     with pytest.raises(DSparkError, match="cannot read GGUF"):
