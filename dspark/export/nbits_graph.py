@@ -8,6 +8,7 @@ every weight is followed back to the initializer it comes from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from dspark.export.gguf_blocks import NBitsWeight
+from dspark.export.weight_stream import StoredWeights
 
 PASS_THROUGH = ("Transpose", "Cast", "Identity")
 MS_DOMAIN = "com.microsoft"
@@ -22,15 +24,20 @@ MS_DOMAIN = "com.microsoft"
 
 @dataclass
 class ConstWeight:
-    """A MatMul whose B input is a constant: B = chain(initializer), a [K, N] matrix."""
+    """A MatMul whose B input is a constant: B = chain(initializer), a [K, N] matrix, read when asked for."""
     node: onnx.NodeProto
     source: str  # the initializer it comes from
     storage: np.dtype  # that initializer's element type (what the export stored)
-    weight: np.ndarray  # float32 [K, N], the matrix the MatMul multiplies by
+    shape: tuple[int, int]  # [K, N]
+    init: onnx.TensorProto
+    chain: list[onnx.NodeProto]
+    stored: StoredWeights | None = None  # where external data lives (None: the model's data is loaded)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape
+    def weight(self) -> np.ndarray:
+        """float32 [K, N], the matrix the MatMul multiplies by: read anew on each access (one weight at a time)."""
+        stored = self.stored.array(self.init) if self.stored else numpy_helper.to_array(self.init)
+        return np.ascontiguousarray(_apply(stored, self.chain).astype(np.float32))
 
 
 def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
@@ -82,43 +89,37 @@ def _sources(model: onnx.ModelProto, min_elements: int):
             yield node, init, resolved[1]
 
 
-def constant_matmul_weights(model: onnx.ModelProto, min_elements: int = 0) -> list[ConstWeight]:
-    """Every float32 MatMul whose B is a 2-D constant of at least min_elements elements, in graph order."""
-    arrays: dict[str, np.ndarray] = {}
+def constant_matmul_weights(model: onnx.ModelProto, min_elements: int = 0,
+                            stored: StoredWeights | None = None) -> list[ConstWeight]:
+    """Every float32 MatMul whose B is a 2-D constant of at least min_elements elements, in graph order. Shapes
+    come from the initializers' dims: no weight is read here. `stored`: where a skeleton model's external data is."""
     found = []
     for node, init, chain in _sources(model, min_elements):
-        if init.name not in arrays:
-            arrays[init.name] = numpy_helper.to_array(init)
-        stored = arrays[init.name]
-        weight = np.ascontiguousarray(_apply(stored, chain).astype(np.float32))
-        found.append(ConstWeight(node, init.name, stored.dtype, weight))
+        dims = list(init.dims)
+        for link in reversed(chain):  # innermost first, as _apply
+            if link.op_type == "Transpose":
+                dims = [dims[p] for p in _perm(link, len(dims))]
+        storage = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
+        found.append(ConstWeight(node, init.name, storage, (dims[0], dims[1]), init, chain, stored))
     return found
-
-
-def materialize(model: onnx.ModelProto, weights: list[ConstWeight]) -> None:
-    """Point each MatMul straight at a float32 initializer holding its weight (what onnxruntime's quantizers look
-    for); the pass-through chain and the original initializer are dropped by prune() if nothing else reads them."""
-    inits = {i.name for i in model.graph.initializer}
-    for w in weights:
-        if w.node.input[1] in inits and w.storage == np.float32:
-            continue
-        name = f"{w.node.name or w.source}.B"
-        model.graph.initializer.append(numpy_helper.from_array(w.weight, name))
-        w.node.input[1] = name
 
 
 class NBitsWriter:
     """Replaces MatMuls by MatMulNBits nodes in one graph; the Q4_1 minimum term's block sums of an activation are
     computed once however many matrices read that activation."""
 
-    def __init__(self, model: onnx.ModelProto, accuracy_level: int):
-        self.model, self.accuracy_level = model, accuracy_level
+    def __init__(self, model: onnx.ModelProto, accuracy_level: int,
+                 store: Callable[[np.ndarray, str], onnx.TensorProto] = numpy_helper.from_array):
+        """store(array, name) -> the initializer holding it (in the proto, or in a data file being written)."""
+        self.model, self.accuracy_level, self.store = model, accuracy_level, store
+        self.written: list[str] = []  # the initializers this writer made
         self.block_sums: dict[tuple[str, int, int], str] = {}
         self.new_nodes: dict[str, list[onnx.NodeProto]] = {}  # MatMul name -> its replacement
         self.pending: list[onnx.NodeProto] = []  # block-sum nodes, placed before their first reader
 
     def _init(self, array: np.ndarray, name: str) -> str:
-        self.model.graph.initializer.append(numpy_helper.from_array(array, name))
+        self.model.graph.initializer.append(self.store(array, name))
+        self.written.append(name)
         return name
 
     def replace(self, node: onnx.NodeProto, w: NBitsWeight, accuracy_level: int | None = None) -> None:
@@ -212,13 +213,9 @@ def vocab_matmul_output(model: onnx.ModelProto, vocab: int) -> str:
     """Name of the tensor the LM head writes (the logits): the last MatMul by a constant [K, vocab] weight (shapes
     only, no weight is read). A graph quantized by NBitsWriter keeps that name for the same tensor."""
     found = None
-    for node, init, chain in _sources(model, 0):
-        dims = list(init.dims)
-        for link in reversed(chain):
-            if link.op_type == "Transpose":
-                dims = [dims[p] for p in _perm(link, len(dims))]
-        if dims[1] == vocab:
-            found = node.output[0]
+    for w in constant_matmul_weights(model):
+        if w.shape[1] == vocab:
+            found = w.node.output[0]
     if found is None:
         raise ValueError(f"no MatMul with {vocab} outputs (the LM head) in graph {model.graph.name!r}")
     return found

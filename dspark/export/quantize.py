@@ -4,8 +4,9 @@ At batch 1 every graph is bound by reading its weights; MatMulNBits reads 4- or 
 
 - verifier: it defines the output, so a quantized verifier *is* the model decoded; DSpark stays exact with respect
   to it (greedy DSpark equals its own autoregressive output, sampling follows its distribution). For a GGUF target
-  it keeps the file's own blocks where MatMulNBits can hold them (dspark.export.gguf_blocks: Q8_0, Q4_0 exactly,
-  Q4_1 with a per-block minimum term), i.e. the model the user chose rather than a requantization of its fp32
+  it keeps the file's own blocks where MatMulNBits can hold them (dspark.export.gguf_blocks: Q4_0 ... Q8_0 and the
+  K-quants Q2_K ... Q6_K exactly, the asymmetric formats with a per-block minimum term), i.e. the model the user
+  chose rather than a requantization of its fp32
   dequantization. Other weights go through onnxruntime's quantizer (round to nearest, --bits, --block-size).
   Its top-1 agreement with the fp32 verifier on a few prompts is measured and stored.
 - draft, heads: the draft side never changes the tokens a request gets (verification uses the distribution the
@@ -16,27 +17,28 @@ own new external data file `<graph file>.data`; files other graphs share are lef
 """
 from __future__ import annotations
 
-import logging
-import shutil
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+from onnxruntime.capi import _pybind_state as ort_kernels
 
 from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.agreement import measure_agreement
-from dspark.export.gguf_blocks import Q4_1_MODES, read_matrices, to_nbits
+from dspark.export.gguf_blocks import Q4_1_MODES, NBitsWeight, read_matrices, to_nbits
 from dspark.export.gguf_map import match_weights
 from dspark.export.ort_fused import forget_step_costs
 from dspark.export.ort_graphs import rebuild_twins
-from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, materialize, probe_weight
-from dspark.files import Temporary, atomic_folder, linked_copy, normal_mode
+from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
+from dspark.export.weight_stream import DataSink, StoredWeights
+from dspark.files import atomic_folder, linked_copy, normal_mode
 
 QUANTIZABLE = ("verifier", "draft", "heads")
 MIN_ELEMENTS = {"verifier": 1 << 16, "draft": 1 << 16, "heads": 1 << 20}  # smaller MatMuls stay fp32
+PROBE_ROWS, PROBE_COLS = 256, 1024  # the window of each GGUF matrix read back from ONNX Runtime's kernel
 
 
 @dataclass
@@ -94,26 +96,6 @@ def gguf_source(manifest: Manifest, choice: str) -> Path | None:
     return path
 
 
-def _load_unlinked(bundle: Path, file: str) -> onnx.ModelProto:
-    """onnx.load with every external data file the graph names, also for a bundle copied with hard links (cp -al),
-    whose external data onnx refuses to read ("potential hardlink attack"): then from a private copy."""
-    path = Manifest.path(bundle, file)
-    skeleton = onnx.load(str(path), load_external_data=False)
-    data = {kv.value for t in skeleton.graph.initializer for kv in t.external_data if kv.key == "location"}
-    files = [file] + sorted(data)
-    if all(Manifest.path(bundle, f).stat().st_nlink == 1 for f in files):
-        onnx.load_external_data_for_model(skeleton, str(path.parent))
-        return skeleton
-    private = Temporary(bundle.with_name(f"{bundle.name}.read"))
-    try:
-        for f in files:
-            (private.path / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Manifest.path(bundle, f), private.path / f)
-        return onnx.load(str(private.path / file))
-    finally:
-        private.remove()
-
-
 def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool) -> int:
     """accuracy_level of one MatMulNBits: as asked, else int8 activations (4) for 8-bit weights, whose fp32 path
     ONNX Runtime's CPU kernel runs tens of times slower (SmolLM2's verifier step with its 8-bit LM head at
@@ -128,70 +110,95 @@ def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool) -> int:
     return 0 if graph == "verifier" and bits == 4 else 4
 
 
-def _gguf_blocks(model: onnx.ModelProto, weights: list[ConstWeight], path: Path, vocab: int, opts: QuantizeOptions
+def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vocab: int, opts: QuantizeOptions
                  ) -> tuple[dict, list[ConstWeight]]:
     """Replace every MatMul whose weight a GGUF matrix holds by that matrix's own blocks; (report, the rest)."""
     matrices, unsupported = read_matrices(path)
     matches, rest = match_weights(weights, matrices)
-    writer = NBitsWriter(model, 4)
     worst: dict[str, float] = {}
     for m in matches:
         nbits = to_nbits(m.matrix, opts.q4_1).take_rows(m.order)
-        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab))
-        diff = float(abs(probe_weight(nbits) - m.matrix.dequantize()[m.order]).max())
+        want = m.matrix.dequantize()[m.order]
+        if opts.q4_1 != "float-zp" and not np.array_equal(nbits.dequantize(), want):  # the op's formula, everywhere
+            raise DSparkError(f"{m.matrix.name}: its {m.matrix.qtype} blocks as MatMulNBits differ from the GGUF "
+                              "reader's values (a dspark fault for this format); --gguf off requantizes instead")
+        probe = nbits.window(PROBE_ROWS, PROBE_COLS)  # what the kernel multiplies by, on a window
+        diff = float(abs(probe_weight(probe) - want[:probe.rows, :probe.cols]).max())
         worst[m.matrix.qtype] = max(worst.get(m.matrix.qtype, 0.0), diff)
-    writer.apply()
+        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab))
     formats = Counter(m.matrix.qtype for m in matches)
-    return {"gguf": str(path), "formats": dict(formats), "q4_1": opts.q4_1 if "Q4_1" in formats else None,
+    return {"gguf": str(path), "formats": dict(sorted(formats.items())),
+            "q4_1": opts.q4_1 if "Q4_1" in formats else None,
             "max_abs_weight_diff": worst, "names_agree": sum(m.name_agrees for m in matches),
             "unsupported": unsupported}, rest
 
 
-def _ort_quantize(model: onnx.ModelProto, weights: list[ConstWeight], vocab: int, graph: str,
-                  opts: QuantizeOptions) -> tuple[onnx.ModelProto, dict]:
-    """onnxruntime's MatMulNBits quantizer (round to nearest) on `weights`: the vocabulary-sized MatMul at
+def _round_to_nearest(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> NBitsWeight:
+    """onnxruntime's own MatMulNBits quantizer kernel (round to nearest, per block along K) on one [K, N] weight."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    per_byte = 8 // bits
+    packed = np.zeros((n, blocks, -(-block_size // per_byte)), dtype=np.uint8)
+    zero_points = np.zeros((n, -(-blocks // per_byte)), dtype=np.uint8)
+    scales = np.zeros((n, blocks), dtype=np.float32)
+    kernel = {4: ort_kernels.quantize_matmul_4bits, 8: ort_kernels.quantize_matmul_8bits}[bits]
+    kernel(packed, np.ascontiguousarray(weight, dtype=np.float32), scales, zero_points, block_size, n, k, symmetric)
+    return NBitsWeight(bits, block_size, n, k, packed, scales, None if symmetric else zero_points.reshape(-1))
+
+
+def _ort_quantize(writer: NBitsWriter, weights: list[ConstWeight], vocab: int, graph: str,
+                  opts: QuantizeOptions) -> dict:
+    """Round-to-nearest MatMulNBits (onnxruntime's kernel), one weight at a time: the vocabulary-sized MatMul at
     head_bits, the others at bits."""
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    materialize(model, weights)
-    every = {n.name for n in model.graph.node if n.op_type == "MatMul"}
-    groups: dict[tuple[int, int], list[str]] = {}
+    kinds: Counter = Counter()
     for w in weights:
         head = w.shape[1] == vocab
         bits = opts.head_bits if head else opts.bits
-        groups.setdefault((bits, _level(opts, graph, bits, head)), []).append(w.node.name)
-    for (bits, level), names in sorted(groups.items()):
-        config = DefaultWeightOnlyQuantConfig(block_size=opts.block_size, is_symmetric=opts.symmetric,
-                                              accuracy_level=level, bits=bits)
-        quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=sorted(every - set(names)), algo_config=config)
-        quantizer.process()
-        model = quantizer.model.model
-    return model, {"matmuls": {f"{bits}-bit, accuracy_level {level}": len(names)
-                               for (bits, level), names in sorted(groups.items())}}
+        level = _level(opts, graph, bits, head)
+        writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level)
+        kinds[(bits, level)] += 1
+    return {"matmuls": {f"{bits}-bit, accuracy_level {level}": count for (bits, level), count in sorted(kinds.items())}}
 
 
-def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: QuantizeOptions
-                    ) -> tuple[onnx.ModelProto, dict]:
+def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str, opts: QuantizeOptions) -> dict:
+    """Write `graph` quantized into staging (its .onnx and a new `<file>.data`), one weight at a time: the graph is
+    read as a skeleton, each MatMul weight from a memory map of the bundle's data, and the new data is written as
+    it is made. Returns the graph's record."""
     spec = manifest.graphs[graph]
+    source = Manifest.path(bundle, spec.file)
     try:
-        model = _load_unlinked(bundle, spec.file)
-    except DSparkError:
-        raise
-    except Exception as e:  # protobuf / external-data errors
-        raise DSparkError(f"cannot read {bundle / spec.file}: {str(e).splitlines()[0][:200]}") from None
+        model = onnx.load(str(source), load_external_data=False)
+    except Exception as e:  # protobuf errors
+        raise DSparkError(f"cannot read {source}: {str(e).splitlines()[0][:200]}") from None
     minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
-    weights = constant_matmul_weights(model, minimum)
+    weights = constant_matmul_weights(model, minimum, StoredWeights(source.parent))
     _name_by_weight(weights)
     if not weights:
         raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
     record = {"op": "MatMulNBits", "bits": opts.bits, "head_bits": opts.head_bits, "block_size": opts.block_size,
               "symmetric": opts.symmetric,
               "matmuls": [w.node.name for w in weights], "fp32_sha256": spec.sha256}
-    gguf = gguf_source(manifest, opts.gguf) if graph == "verifier" else None
-    if gguf is not None:
-        record["gguf_blocks"], weights = _gguf_blocks(model, weights, gguf, manifest.target["vocab_size"], opts)
-    if weights:
-        model, record["onnxruntime_quantizer"] = _ort_quantize(model, weights, manifest.target["vocab_size"], graph,
-                                                               opts)
+    target = Manifest.path(staging, spec.file)
+    target.unlink(missing_ok=True)  # a hard link to the old bundle's file: unlinked, never written
+    sink = DataSink(target.parent, f"{target.name}.data")
+    try:
+        writer = NBitsWriter(model, 4, store=sink.add)
+        gguf = gguf_source(manifest, opts.gguf) if graph == "verifier" else None
+        if gguf is not None:
+            record["gguf_blocks"], weights = _gguf_blocks(writer, weights, gguf, manifest.target["vocab_size"], opts)
+        if weights:
+            record["onnxruntime_quantizer"] = _ort_quantize(writer, weights, manifest.target["vocab_size"], graph,
+                                                            opts)
+        writer.apply()
+        written = set(writer.written)
+        for init in model.graph.initializer:  # the weights left as they were: into the new data file
+            if init.name not in written:
+                sink.adopt(init, StoredWeights(source.parent))
+    finally:
+        sink.close()
+    onnx.save(model, str(target))
+    for path in (target, sink.path):
+        normal_mode(path)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     kinds = Counter(_kind(n) for n in nbits)
     record["matmulnbits"] = dict(sorted(kinds.items()))
@@ -200,7 +207,7 @@ def _quantize_model(bundle: Path, manifest: Manifest, graph: str, opts: Quantize
     record["layer_accuracy_levels"] = sorted({_attr(n, "accuracy_level") for n in nbits
                                               if _attr(n, "N") != manifest.target["vocab_size"]})
     record["bits"] = min(int(k.split("-")[0]) for k in kinds)  # the narrowest weights the graph now holds
-    return model, record
+    return record
 
 
 def _name_by_weight(weights: list[ConstWeight]) -> None:
@@ -223,17 +230,6 @@ def _kind(node: onnx.NodeProto) -> str:
     return f"{_attr(node, 'bits')}-bit, accuracy_level {_attr(node, 'accuracy_level')}"
 
 
-def _write_graph(model: onnx.ModelProto, folder: Path, file: str) -> None:
-    data = f"{file}.data"
-    for name in (file, data):
-        (folder / name).unlink(missing_ok=True)  # a hard link to the old bundle's file: unlinked, never written
-    onnx.save(model, str(folder / file), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data, size_threshold=1024)
-    for name in (file, data):
-        if (folder / name).exists():
-            normal_mode(folder / name)
-
-
 def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = QuantizeOptions()) -> dict[str, dict]:
     """Quantize BUNDLE's `graphs` and record them in its manifest ({graph: record}). Graphs, data and manifest are
     written into a copy of the bundle (hard links) that replaces it in one step: readers see the old set or the
@@ -246,9 +242,7 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
         linked_copy(bundle, staging)
         records = {}
         for graph in graphs:
-            model, record = _quantize_model(bundle, manifest, graph, opts)
-            _write_graph(model, staging, manifest.graphs[graph].file)
-            del model
+            record = _quantize_model(bundle, staging, manifest, graph, opts)
             manifest.graphs[graph].sha256 = sha256_file(staging / manifest.graphs[graph].file)
             records[graph] = record
         if "verifier" in graphs:

@@ -83,8 +83,8 @@ def test_quantize_refuses_unknown_graphs_twice_and_other_bits(quantized, tmp_pat
 
 
 def test_quantize_a_bundle_copied_with_hard_links(tiny_bundle_v6, tmp_path):
-    """onnx refuses external data with several hard links; quantize reads a private copy and replaces files, so
-    the original bundle the links point to is untouched."""
+    """A bundle copied with hard links (cp -al): quantize reads the linked files and replaces them instead of
+    writing into them, so the original bundle the links point to is untouched."""
     import os
 
     from dspark.bundle import sha256_file
