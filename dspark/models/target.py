@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dspark.bundle import sha256_file
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
+from dspark.models.gguf_tensors import GgufTensors
 from dspark.models.tensors import CheckpointTensors, LazyWeights
 from dspark.models.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.resolve import cache_dir, resolve_target
@@ -168,40 +169,52 @@ def _write_hf_config(folder: Path) -> None:
 
 
 def _convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF into an HF folder once (transformers' GGUF loader), then reuse it."""
+    """A GGUF's config, tokenizer and generation config as an HF folder (made once, a few MB): its weights stay in
+    the file, read one tensor at a time by dspark.models.gguf_tensors (an older cache folder may also hold a
+    dequantized model.safetensors, which is then used)."""
     folder = _gguf_cache_folder(gguf)
-    if (folder / "model.safetensors").exists():
+    if (folder / "config.json").exists():  # (written last, by atomic_folder)
         return folder
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for foreign files
         raise DSparkError(f"cannot read GGUF {gguf}: {str(e).splitlines()[0]}") from None
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model.config, "_name_or_path"):
-        model.config._name_or_path = gguf.name
+    config.quantization_config = None
+    if hasattr(config, "_name_or_path"):
+        config._name_or_path = gguf.name
     with atomic_folder(folder) as tmp:
-        model.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         _write_hf_config(tmp)
     return folder
 
 
-def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeights, str]:
+def _checkpoint(folder: Path, gguf: Path | None, hf: nn.Module) -> CheckpointTensors | GgufTensors:
+    if gguf is not None and not (folder / "model.safetensors").exists():
+        return GgufTensors(gguf, hf)
+    return CheckpointTensors(folder)
+
+
+def _lazy_model(folder: Path, dtype: torch.dtype, gguf: Path | None = None
+                ) -> tuple[nn.Module, LazyWeights, str]:
     """The model's modules on the meta device and, per parameter, its tensor in the checkpoint (read later,
     one at a time: the export never holds the whole target)."""
-    tensors = CheckpointTensors(folder)
     try:
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     except Exception as e:
         raise DSparkError(f"cannot build the target from {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
+    tensors = _checkpoint(folder, gguf, hf)
     params = dict(hf.named_parameters())  # a tied LM head is listed once, under the embedding's name
     for name in params:
         if name not in tensors:
-            raise DSparkError(f"target checkpoint {folder} has no tensor {name}")
+            raise DSparkError(f"target checkpoint {tensors.folder} has no tensor {name}")
+        if tuple(tensors.shapes[name]) != tuple(params[name].shape):
+            raise DSparkError(f"target checkpoint {tensors.folder}: {name} is {list(tensors.shapes[name])}, its "
+                              f"config says {list(params[name].shape)}")
     lazy = LazyWeights()
     lazy.add_checkpoint(tensors, params)
     return hf.eval(), lazy, tensors.precision()
@@ -210,21 +223,27 @@ def _lazy_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LazyWeight
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:
     """With lazy, the weights stay in the checkpoint (meta-device modules + LazyWeights) until someone reads them."""
     path = resolve_target(name_or_path)
+    gguf = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise DSparkError(f"target file {path} is not a .gguf; give an HF folder or a GGUF file")
-        folder = _convert_gguf(path)
+        folder, gguf = _convert_gguf(path), path
     else:
         folder = path
         if not (folder / "config.json").exists():
             raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
     config = TargetConfig.from_dict(read_json(folder / "config.json", f"target config {folder / 'config.json'}"))
     if lazy:
-        hf, weights, precision = _lazy_model(folder, dtype)
+        hf, weights, precision = _lazy_model(folder, dtype, gguf)
         return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path,
                             lazy=weights, precision=precision)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+        if gguf is not None and not (folder / "model.safetensors").exists():  # transformers' GGUF loader, in memory
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
+                                                      attn_implementation="eager")
+            hf.hf_quantizer, hf.config.quantization_config = None, None
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     except Exception as e:
         raise DSparkError(f"cannot load target weights from {folder}: {str(e).splitlines()[0]}") from None
     hf.eval()

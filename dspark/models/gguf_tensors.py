@@ -1,0 +1,63 @@
+"""A GGUF target's tensors under their HF names, each one dequantized only when it is read.
+
+transformers' GGUF loader dequantizes the whole file into float32 at once (16 GB for a 4B model); the export reads
+one weight at a time, so this reads each tensor the same way (the gguf package's dequantizer, then transformers'
+per-architecture processing such as undoing llama.cpp's rotary row order of q/k) when the export asks for it.
+The values are the ones transformers' loader gives, bit for bit: the quantizer finds the file's blocks by them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.errors import DSparkError
+from dspark.lazy import LazyModule
+
+gguf = LazyModule("gguf", "pip install gguf (it comes with transformers' GGUF support)")
+
+
+def _architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise DSparkError("the GGUF has no general.architecture")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+class GgufTensors:
+    """The interface of dspark.models.tensors.CheckpointTensors (folder, shapes, `in`, precision(), read(name))
+    over a GGUF file, for the HF model `hf_model` (built on the meta device from the file's config)."""
+
+    def __init__(self, path: Path, hf_model: torch.nn.Module):
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.folder = Path(path)  # (the identity LazyWeights records)
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # the gguf package raises ValueError and friends for bad files
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise DSparkError(f"cannot read GGUF {path}: {first}") from None
+        config = hf_model.config.to_dict()
+        self.processor = TENSOR_PROCESSORS.get(_architecture(self.reader), TensorProcessor)(config=config)
+        self.mapping = get_gguf_hf_weights_map(hf_model, self.processor)
+        self.tensors, self.shapes = {}, {}
+        for t in self.reader.tensors:
+            hf_name = self.mapping.get(t.name)
+            if hf_name is not None:
+                self.tensors[hf_name] = t
+                self.shapes[hf_name] = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml order: fastest last
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def precision(self) -> str:
+        return "fp32"  # what dequantizing gives
+
+    def read(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        weights = gguf.quants.dequantize(t.data, t.tensor_type)
+        result = self.processor.process(weights=weights, name=t.name, tensor_key_mapping=self.mapping,
+                                        parsed_parameters={})
+        return torch.from_numpy(np.array(result.weights, dtype=np.float32).reshape(self.shapes[name]))
