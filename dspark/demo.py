@@ -13,6 +13,8 @@ from pathlib import Path
 from dspark.bundle import Manifest, sha256_file
 from dspark.calibration.sps import ensure_sps_table
 from dspark.errors import DSparkError
+from dspark.export.twins import LABELS, missing_twins
+from dspark.extras import EXPORT
 from dspark.prompts import demo_prompts_path, read_prompts
 from dspark.resolve import DRAFTS, cache_dir, resolve_draft, resolve_target
 from dspark.runtime import DecodeOptions, Runtime
@@ -116,10 +118,21 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
         quantize_graph(bundle, "heads")
     manifest = Manifest.read(bundle)
     if plan.managed:  # a demo bundle made before ONNX Runtime's twins (fused verifier, greedy heads)
-        from dspark.export.ort_graphs import fuse_bundle, missing_twins
+        add_missing_twins(bundle, manifest, say)
 
-        if missing := missing_twins(manifest):
-            fuse_bundle(bundle, missing)
+
+def add_missing_twins(bundle: Path, manifest: Manifest, say: Say) -> None:
+    """Add the ONNX Runtime twins the demo bundle lacks; they need onnx, which a runtime-only install has not: there
+    the bundle's portable graphs decode (the same tokens, slower) and a note says what to install."""
+    if not (missing := missing_twins(manifest)):
+        return
+    if importlib.util.find_spec("onnx") is None:
+        say(f"note: {bundle.name} has no {' or '.join(LABELS[m] for m in missing)} (faster on ONNX Runtime); adding "
+            f"them needs onnx ({EXPORT}); decoding with its portable graphs")
+        return
+    from dspark.export.ort_graphs import fuse_bundle
+
+    fuse_bundle(bundle, missing)
 
 
 def best_policy(manifest: Manifest) -> tuple[str, str]:

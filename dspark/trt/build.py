@@ -27,6 +27,7 @@ from dspark.export.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.ops.kernels import archs_for, build_kernel
 from dspark.trt import network_checks as checks
+from dspark.trt.buildable import not_buildable
 from dspark.trt.cuda import cudart
 from dspark.trt.plugin import (
     CONFIDENCE_TRUNCATE,
@@ -54,14 +55,6 @@ class BuildOptions:
     compute_capabilities: tuple[str, ...] = ()  # RTX ahead-of-time targets (default DEFAULT_RTX_TARGETS)
     runtime_cache: str | None = None  # RTX: where the runtime keeps its JIT results (relative: to the bundle)
     kernels: bool = True  # also build the GPU runtime's kernel library with nvcc when it is there
-
-
-def not_buildable(manifest: Manifest) -> str | None:
-    """Why TensorRT cannot build this bundle's graphs, or None."""
-    if manifest.quantized:
-        return (f"{', '.join(manifest.quantized)} hold MatMulNBits weights (an ONNX Runtime CPU operator); "
-                f"TensorRT needs the graphs as exported: build from a bundle that was not quantized")
-    return None
 
 
 def plugin_library(explicit: Path | None) -> Path | None:
