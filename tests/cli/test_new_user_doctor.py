@@ -106,3 +106,27 @@ def test_doctor_and_export_commands_without_torch_or_onnx_name_what_to_install(b
     lines = lint.stderr.strip().splitlines()
     assert lint.returncode == 2 and len(lines) == 1 and "internal error" not in lines[0]
     assert lines[0].startswith("error: this needs the Python package 'onnx'") and "dspark[export]" in lines[0]
+
+
+def test_the_demo_converts_without_check_data_and_says_what_its_silent_pass_is(bundle, tmp_path, monkeypatch):
+    """The demo never runs `dspark-export check`, so its conversion skips the reference recording (the longest step
+    of the first run); its autoregressive comparison pass prints no text, so it says that it is running."""
+    import dspark.export.onnx_export as onnx_export
+    import dspark.models.pair as pair
+    from dspark.demo import DemoPlan, ensure_demo_bundle
+
+    calls = []
+
+    def export_bundle(pair, output, **options):  # records what the demo asks for; the bundle is the tiny one
+        calls.append(options)
+        shutil.copytree(bundle, output)
+
+    monkeypatch.setattr(onnx_export, "export_bundle", export_bundle)
+    monkeypatch.setattr(pair, "load_pair", lambda *args, **kw: None)
+    plan = DemoPlan([{"prompt": "w1"}], tmp_path / "p.jsonl", tmp_path / "converted", convert=True, managed=False)
+    ensure_demo_bundle(plan, "fp32", say=lambda m: None)
+    assert calls and calls[0]["check_data"] is False
+    res = CliRunner().invoke(main_cli, ["demo", "--bundle", str(bundle), "--num-prompts", "2", "--max-new-tokens",
+                                        "4"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("decoding the same prompt autoregressively, for the comparison") == 2
