@@ -35,7 +35,7 @@ from dspark.trt.plugin import (
     register_python_plugin,
 )
 from dspark.trt.profiles import Profile, graph_profiles
-from dspark.trt.versions import TrtApi, compute_targets, import_tensorrt, resolve_flavor
+from dspark.trt.versions import TrtApi, compute_targets, import_tensorrt, resolve_flavor, runs_on
 
 PLUGIN_LIB = "libdspark_trt_plugin.so"
 DEFAULT_RTX_TARGETS = ("80", "86", "89", "120", "121")  # SM75 (Turing) refuses fp32 GEMMs: ask for it explicitly
@@ -111,7 +111,7 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     work = Path(options.work_dir or engines_dir / ".build")
     report = {"flavor": flavor.name, "tensorrt": trt.__version__, "precision": options.precision,
               "max_batch": options.max_batch, "max_context": options.max_context, "targets": targets,
-              "version_compatible": options.version_compatible, "runs_on": flavor.runs_on,
+              "version_compatible": options.version_compatible, "runs_on": runs_on(flavor, targets),
               "plugin": register_plugin(trt, library), "plugin_layers": {}, "engines": {}, "profiles": {}}
     if api.flavor == "rtx":
         report["runtime_cache"] = options.runtime_cache or "engines/runtime.cache"

@@ -21,6 +21,7 @@ from dspark.trt.versions import (
     engines_runnable,
     import_tensorrt,
     resolve_flavor,
+    runs_on,
 )
 
 
@@ -186,7 +187,7 @@ def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin
     targets = f", targets {', '.join(section['targets'])}" if section.get("targets") else ""
     report.add("engines", "fail" if stale else "ok",
                f"flavor {flavor.name}: built with {flavor.module} {section.get('tensorrt')} "
-               f"({section.get('precision')}{targets}); they run on {flavor.runs_on}"
+               f"({section.get('precision')}{targets}); they run on {runs_on(flavor, section.get('targets', []))}"
                + (f"; stale for {', '.join(stale)} (ONNX changed since the build)" if stale else ""))
 
 

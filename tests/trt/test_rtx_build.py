@@ -220,6 +220,7 @@ def test_doctor_build_builds_rtx_engines_here_and_says_where_they_run(tiny_bundl
     assert checks["plugin library"].detail.startswith("Python registration")
     engines = checks["engines"]
     assert engines.status == "ok" and "flavor rtx" in engines.detail and "not Hopper" in engines.detail
+    assert "Ampere SM80" in engines.detail and "Turing" not in engines.detail  # the default targets: SM80-SM121
     here = checks["engines run on this machine"]
     assert here.status == "skipped" and "no CUDA GPU" in here.detail  # CI has none; a GPU box gets a verdict
     assert not any(check.status == "fail" for check in checks.values())
