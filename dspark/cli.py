@@ -254,7 +254,8 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
 
 @main_cli.command("doctor")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--build", is_flag=True, help="(Re)build the TensorRT engines first.")
+@click.option("--build", is_flag=True, help="Build (or rebuild) the TensorRT engines into BUNDLE first; without "
+              "it doctor only reads the bundle.")
 @click.option("--plugin", type=click.Path(path_type=Path), help="Built libdspark_trt_plugin.so.")
 @click.option("--flavor", type=click.Choice(["tensorrt", "rtx"]),
               help="TensorRT flavor to check and build with (default: the engines', else whichever is installed).")

@@ -9,7 +9,7 @@ from dspark.resolve import CACHE_KINDS, cache_dir, cache_entries, clear_cache
 @click.group("cache")
 def cache_group():
     """What dspark keeps in its cache ($DSPARK_CACHE, default ~/.cache/dspark): dequantized GGUF targets (keyed by
-    the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels."""
+    the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels, TensorRT for RTX's library links."""
 
 
 CACHE_KIND_OPTION = click.option("--kind", "kinds", multiple=True, type=click.Choice(CACHE_KINDS),

@@ -13,6 +13,8 @@ from pathlib import Path
 from dspark.bundle import Manifest, sha256_file
 from dspark.calibration.sps import ensure_sps_table
 from dspark.errors import DSparkError
+from dspark.export.twins import LABELS, missing_twins
+from dspark.extras import EXPORT
 from dspark.prompts import demo_prompts_path, read_prompts
 from dspark.resolve import DRAFTS, cache_dir, resolve_draft, resolve_target
 from dspark.runtime import DecodeOptions, Runtime
@@ -106,20 +108,32 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
         from dspark.export.progress import Progress
         from dspark.models.pair import load_pair
 
-        progress = Progress(6)
+        progress = Progress(5)
         with progress.step("loading target and draft"):
             pair = load_pair(DEMO_TARGET, DEMO_DRAFT, lazy=True)
-        export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB)
+        # no check/ data: the demo checks its output against AR itself (`dspark-export onnx` records it)
+        export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB, check_data=False)
     if plan.managed and heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
         from dspark.export.quantize import quantize_graph
 
         quantize_graph(bundle, "heads")
     manifest = Manifest.read(bundle)
     if plan.managed:  # a demo bundle made before ONNX Runtime's twins (fused verifier, greedy heads)
-        from dspark.export.ort_graphs import fuse_bundle, missing_twins
+        add_missing_twins(bundle, manifest, say)
 
-        if missing := missing_twins(manifest):
-            fuse_bundle(bundle, missing)
+
+def add_missing_twins(bundle: Path, manifest: Manifest, say: Say) -> None:
+    """Add the ONNX Runtime twins the demo bundle lacks; they need onnx, which a runtime-only install has not: there
+    the bundle's portable graphs decode (the same tokens, slower) and a note says what to install."""
+    if not (missing := missing_twins(manifest)):
+        return
+    if importlib.util.find_spec("onnx") is None:
+        say(f"note: {bundle.name} has no {' or '.join(LABELS[m] for m in missing)} (faster on ONNX Runtime); adding "
+            f"them needs onnx ({EXPORT}); decoding with its portable graphs")
+        return
+    from dspark.export.ort_graphs import fuse_bundle
+
+    fuse_bundle(bundle, missing)
 
 
 def best_policy(manifest: Manifest) -> tuple[str, str]:
@@ -161,7 +175,9 @@ class DemoTotals:
         return sum(self.committed) / max(1, len(self.committed))
 
 
-def decode_ar(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals) -> tuple[list[int], float]:
+def decode_ar(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals,
+              say: Say) -> tuple[list[int], float]:
+    say("  decoding the same prompt autoregressively, for the comparison (its text is not shown) ...")
     t0 = time.perf_counter()
     res = rt.generate([prompt], DecodeOptions(max_new_tokens=max_new_tokens, policy="ar"))[0]
     seconds = time.perf_counter() - t0
@@ -186,15 +202,17 @@ def stream_dspark(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTot
     return res, stream.times, seconds
 
 
-def decode_prompt(rt: Runtime, index: int, row: dict, max_new_tokens: int, totals: DemoTotals, show: Say) -> None:
+def decode_prompt(rt: Runtime, index: int, row: dict, max_new_tokens: int, totals: DemoTotals, show: Say,
+                  say: Say) -> None:
     """AR and DSpark take turns: which goes first alternates from prompt to prompt."""
     show(f"\n[{row.get('domain', 'prompt')}] {row['prompt']}\n\n")
     if index % 2 == 0:
-        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals)
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals, say)
         res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
     else:
         res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
-        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals)
+        show("\n")
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals, say)
     same = res.token_ids == ar_ids
     totals.identical += same
     show(f"\n  DSpark: {len(res.token_ids)} tokens, tau {res.tau:.2f}, {times.drafted} of {times.rounds} rounds "
@@ -214,7 +232,7 @@ def run_demo(req: DemoRequest, say: Say, show: Say) -> DemoTotals:
         say(f"bundle: {plan.bundle} ({label})\npolicy: {policy}: {why}")
         totals = DemoTotals(policy=policy)
         for i, row in enumerate(plan.rows):
-            decode_prompt(rt, i, row, req.max_new_tokens, totals, show)
+            decode_prompt(rt, i, row, req.max_new_tokens, totals, show, say)
     ds_rate, ar_rate = totals.rate("dspark"), totals.rate("ar")
     show(f"\nDSpark ({policy}) {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s, measured in this run "
          f"({label}): speedup x{ds_rate / max(ar_rate, 1e-9):.2f}, tau {totals.tau:.2f}, {totals.drafted} of "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import signal
 
+from dspark.extras import install_hint
+
 
 class DSparkError(Exception):
     """A user-facing error: the message is one actionable line, printed without a traceback."""
@@ -24,6 +26,8 @@ def exit_report(e: BaseException) -> tuple[str, int]:
         return f"error: {e}", 2
     if isinstance(e, OSError):
         return f"error: {describe_os_error(e)}", 2
+    if hint := install_hint(e):  # an optional package imported by a command that needs it
+        return f"error: {hint}", 2
     if isinstance(e, UnicodeError):
         return f"error: text that is not UTF-8 ({getattr(e, 'reason', e)})", 2
     if isinstance(e, KeyboardInterrupt):

@@ -56,7 +56,9 @@ def cache_dir() -> Path:
     return root
 
 
-CACHE_KINDS = ("targets", "bundles", "kernels")  # dequantized GGUF targets, demo bundles, built CUDA kernels
+# dequantized GGUF targets, demo bundles, built CUDA kernels, the links that let TensorRT for RTX load its wheel's
+# libraries (dspark.trt.rtx_libs; made again on the next import)
+CACHE_KINDS = ("targets", "bundles", "kernels", "tensorrt_rtx_libs")
 
 
 @dataclass(frozen=True)

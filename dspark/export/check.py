@@ -180,7 +180,8 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
     manifest = Manifest.read(bundle)
     check_dir = bundle / CHECK_DIR
     if not (check_dir / "expected.json").exists():
-        raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (exported with --no-check?); re-export it")
+        raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (`dspark demo` and `dspark-export onnx "
+                          f"--no-check` skip it); `dspark-export onnx` without --no-check records it")
     check_reference(bundle)  # the recorded data is untrusted input too (doctor reads it through here)
     rt = Runtime(bundle, weights=weights)
     rows: list[CheckRow] = []

@@ -28,6 +28,7 @@ from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
 from dspark.export.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.export.graphs import past_names
 from dspark.export.nbits_graph import resolve
+from dspark.export.twins import unfusable
 from dspark.files import normal_mode
 
 MS = "com.microsoft"
@@ -303,18 +304,6 @@ def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: i
 
 
 FUSED_FILE = "verifier_fused.onnx"
-
-
-def unfusable(target: dict) -> str | None:
-    """Why ONNX Runtime's CPU GroupQueryAttention cannot take this target, or None when it can."""
-    if target["head_dim"] % 16:
-        return (f"ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple of 16 (this "
-                f"target's is {target['head_dim']}); the portable verifier serves it")
-    return None
-
-
-def fusable(manifest: Manifest) -> bool:
-    return unfusable(manifest.target) is None
 
 
 def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:

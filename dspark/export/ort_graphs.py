@@ -16,17 +16,15 @@ from typing import Callable
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.greedy_heads import add_greedy_heads
-from dspark.export.ort_fused import add_fused_verifier, fusable, forget_step_costs, unfusable
+from dspark.export.ort_fused import add_fused_verifier, forget_step_costs
+from dspark.export.twins import LABELS, POSSIBLE, missing_twins, possible_twins, unfusable
 from dspark.files import atomic_folder, linked_copy
 
 # twin: (the portable graph it is built from, whether this bundle can have it, builder)
 TWINS: dict[str, tuple[str, Callable[[Manifest], bool], Callable[[Path, Manifest], object]]] = {
-    "verifier_fused": ("verifier", fusable, add_fused_verifier),
-    "heads_greedy": ("heads", lambda manifest: True, add_greedy_heads),
+    "verifier_fused": ("verifier", POSSIBLE["verifier_fused"], add_fused_verifier),
+    "heads_greedy": ("heads", POSSIBLE["heads_greedy"], add_greedy_heads),
 }
-
-
-LABELS = {"verifier_fused": "fused verifier", "heads_greedy": "greedy heads graph"}
 
 
 def add_twins(folder: Path, manifest: Manifest, names=tuple(TWINS), strict: bool = False) -> dict[str, str | None]:
@@ -57,14 +55,6 @@ def rebuild_twins(folder: Path, manifest: Manifest, changed: list[str]) -> None:
     """After the portable graphs in `changed` were rewritten (quantized): rebuild the twins made from them."""
     add_twins(folder, manifest, [name for name, (source, _, _) in TWINS.items()
                                  if source in changed and name in manifest.graphs], strict=True)
-
-
-def possible_twins(manifest: Manifest) -> list[str]:
-    return [name for name, (_, possible, _) in TWINS.items() if possible(manifest)]
-
-
-def missing_twins(manifest: Manifest) -> list[str]:
-    return [name for name in possible_twins(manifest) if name not in manifest.graphs]
 
 
 def fuse_bundle(bundle: Path, names: list[str] | None = None) -> dict[str, str | None]:

@@ -103,7 +103,7 @@ def _engine(state: ServerState, body: SamplingFields):
         raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
     if not state.ready.is_set():
         raise ApiError(503, "the model is still loading", "server_error", code="loading")
-    if body.model != state.config.model_name:
+    if body.model != state.config.model_name and body.model not in state.config.aliases:
         raise ApiError(404, f"The model `{body.model}` does not exist (this server serves "
                             f"`{state.config.model_name}`)", param="model", code="model_not_found")
     return state.engine

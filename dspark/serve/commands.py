@@ -12,7 +12,9 @@ POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, top
 
 
 @click.command("serve")
-@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("bundle", required=False, type=click.Path(path_type=Path))
+@click.option("--demo", is_flag=True, help="Serve the bundle `dspark demo` made, as the model "
+              "smollm2-135m-dspark.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1, 256),
@@ -23,7 +25,8 @@ POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, top
               help="Requests waiting for a slot at most; beyond that the server answers 429.")
 @click.option("--max-context", type=click.IntRange(16, 1 << 20),
               help="Positions each slot's caches hold (default: the bundle's max context).")
-@click.option("--model-name", help="The model id clients send (default: the bundle folder's name).")
+@click.option("--model-name", help="The model id clients send (default: the bundle folder's name; with --demo "
+              "smollm2-135m-dspark). The folder's name is accepted too.")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled.")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 1 << 20),
@@ -33,27 +36,32 @@ POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, top
 @WEIGHTS_OPTION
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve_cmd(bundle, host, port, batch_size, policy, gate, max_queue, max_context, model_name, grace,
-              max_connections, threads, backend, weights, log_level):
-    """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics) with an always-on continuous-batching engine."""
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="One line per HTTP request on stderr (at --log-level info).")
+def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max_context, model_name, grace,
+              max_connections, threads, backend, weights, log_level, access_log):
+    """Serve BUNDLE (or, with --demo, the bundle `dspark demo` made) over an OpenAI-compatible HTTP API
+    (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) with an always-on continuous-batching
+    engine. Requests decode greedily (temperature 0, as `dspark run`) unless they send a temperature."""
     from dspark.lazy import optional_import
     from dspark.runtime import VerifyPolicy
     from dspark.runtime.engine import EngineOptions
 
     optional_import("uvicorn", "dspark serve needs the serve extra: pip install -e '.[serve]'")
     optional_import("fastapi", "dspark serve needs the serve extra: pip install -e '.[serve]'")
+    from dspark.serve.names import served
     from dspark.serve.server import ServeConfig, serve
 
     parsed = VerifyPolicy.parse(policy)
     if gate:
         parsed = VerifyPolicy.parse(f"{policy}+gate")
-    config = ServeConfig(bundle=bundle, model_name=model_name or Path(bundle).resolve().name,
+    target = served(bundle, demo, model_name)
+    config = ServeConfig(bundle=target.bundle, model_name=target.model_name, aliases=target.aliases,
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
                                               max_context=max_context),
                          backend=backend, threads=threads, weights=ort_weights(backend, weights), grace=grace,
                          max_connections=max_connections)
-    serve(config, host, port, log_level)
+    serve(config, host, port, log_level, access_log)
 
 
 @click.command("triton")

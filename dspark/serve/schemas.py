@@ -31,7 +31,7 @@ class SamplingFields(BaseModel):
 
     model: StrictStr
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
+    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 0.0  # greedy, as `dspark run` and the Triton model
     seed: Annotated[StrictInt, Field(ge=0, lt=2 ** 63)] | None = None
     stop: Stop = None
     stream: StrictBool = False

@@ -32,14 +32,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: ServeConfig, host: str, port: int, log_level: str = "info") -> None:
+def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", access_log: bool = True) -> None:
     state = ServerState(config)
     server: DrainingServer | None = None
 
     def load() -> None:
         try:
             state.load()
-            print(f"dspark serve: {config.model_name} ready on http://{host}:{port}", file=sys.stderr, flush=True)
+            also = f" (also accepted: {', '.join(config.aliases)})" if config.aliases else ""
+            print(f"dspark serve: {config.model_name} ready on http://{host}:{port}{also}", file=sys.stderr,
+                  flush=True)
         except DSparkError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             server.should_exit = True
@@ -53,7 +55,7 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info") ->
     app = create_app(state)
     app.router.lifespan_context = lifespan
     # uvicorn answers 503 beyond max_connections open connections; within them the engine's queue answers 429
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                limit_concurrency=config.max_connections,
                                timeout_graceful_shutdown=int(config.grace) + 5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, state)

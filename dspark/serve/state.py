@@ -17,6 +17,7 @@ from dspark.serve.metrics import Metrics
 class ServeConfig:
     bundle: Path
     model_name: str
+    aliases: tuple[str, ...] = ()  # other model ids requests may send (e.g. the bundle folder's name)
     engine: EngineOptions = EngineOptions()
     backend: str = "onnxruntime"
     threads: int | None = None

@@ -27,6 +27,7 @@ from dspark.export.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.ops.kernels import archs_for, build_kernel
 from dspark.trt import network_checks as checks
+from dspark.trt.buildable import not_buildable
 from dspark.trt.cuda import cudart
 from dspark.trt.plugin import (
     CONFIDENCE_TRUNCATE,
@@ -34,7 +35,7 @@ from dspark.trt.plugin import (
     register_python_plugin,
 )
 from dspark.trt.profiles import Profile, graph_profiles
-from dspark.trt.versions import TrtApi, compute_targets, import_tensorrt, resolve_flavor
+from dspark.trt.versions import TrtApi, compute_targets, import_tensorrt, resolve_flavor, runs_on
 
 PLUGIN_LIB = "libdspark_trt_plugin.so"
 DEFAULT_RTX_TARGETS = ("80", "86", "89", "120", "121")  # SM75 (Turing) refuses fp32 GEMMs: ask for it explicitly
@@ -54,14 +55,6 @@ class BuildOptions:
     compute_capabilities: tuple[str, ...] = ()  # RTX ahead-of-time targets (default DEFAULT_RTX_TARGETS)
     runtime_cache: str | None = None  # RTX: where the runtime keeps its JIT results (relative: to the bundle)
     kernels: bool = True  # also build the GPU runtime's kernel library with nvcc when it is there
-
-
-def not_buildable(manifest: Manifest) -> str | None:
-    """Why TensorRT cannot build this bundle's graphs, or None."""
-    if manifest.quantized:
-        return (f"{', '.join(manifest.quantized)} hold MatMulNBits weights (an ONNX Runtime CPU operator); "
-                f"TensorRT needs the graphs as exported: build from a bundle that was not quantized")
-    return None
 
 
 def plugin_library(explicit: Path | None) -> Path | None:
@@ -118,7 +111,7 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     work = Path(options.work_dir or engines_dir / ".build")
     report = {"flavor": flavor.name, "tensorrt": trt.__version__, "precision": options.precision,
               "max_batch": options.max_batch, "max_context": options.max_context, "targets": targets,
-              "version_compatible": options.version_compatible, "runs_on": flavor.runs_on,
+              "version_compatible": options.version_compatible, "runs_on": runs_on(flavor, targets),
               "plugin": register_plugin(trt, library), "plugin_layers": {}, "engines": {}, "profiles": {}}
     if api.flavor == "rtx":
         report["runtime_cache"] = options.runtime_cache or "engines/runtime.cache"

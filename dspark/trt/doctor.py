@@ -12,24 +12,23 @@ from pathlib import Path
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.export.check import check_bundle
-from dspark.export.trt_lint import lint_bundle
-from dspark.trt.build import build_engines, not_buildable
+from dspark.extras import install_hint
+from dspark.trt.buildable import BUILDABLE_HOW, not_buildable
 from dspark.trt.cuda import cudart
-from dspark.trt.gpu_checks import compare_with_onnxruntime
 from dspark.trt.versions import (
     FLAVORS,
     TrtApi,
     engines_runnable,
     import_tensorrt,
     resolve_flavor,
+    runs_on,
 )
 
 
 @dataclass
 class Check:
     name: str
-    status: str  # "ok", "fail", "skipped"
+    status: str  # "ok", "fail", "skipped", "note" (what this bundle is not made for, e.g. TensorRT for a CPU bundle)
     detail: str
 
 
@@ -45,7 +44,7 @@ class DoctorReport:
         return any(check.status == "fail" for check in self.checks)
 
     def format(self) -> str:
-        mark = {"ok": "ok  ", "fail": "FAIL", "skipped": "skip"}
+        mark = {"ok": "ok  ", "fail": "FAIL", "skipped": "skip", "note": "note"}
         return "\n".join(f"[{mark[check.status]}] {check.name}: {check.detail}" for check in self.checks)
 
 
@@ -90,23 +89,27 @@ GPU_CHECKS = ("engine outputs vs ONNX Runtime (Polygraphy)", "greedy token equal
 
 def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
                flavor: str | None = None) -> DoctorReport:
+    """Check `bundle` on this machine. A diagnostic never writes: engines are built into the bundle only with
+    `build` (`dspark doctor --build`)."""
     report = DoctorReport()
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
     report.add("bundle", "ok", f"format {manifest.format_version}, block {manifest.block_size}, graphs "
                f"{', '.join(manifest.graphs)}")
-    _onnx_checks(report, bundle, manifest)
+    reason = not_buildable(manifest)
+    _onnx_checks(report, bundle, manifest, lint=reason is None)
     has_gpu, gpu = _gpu()
     report.add("GPU", "ok" if has_gpu else "skipped", gpu)
     flavor = flavor or manifest.tensorrt.get("flavor")
     has_trt, trt_info = _tensorrt(flavor)
     report.add("TensorRT", "ok" if has_trt else "skipped", trt_info)
-    if reason := not_buildable(manifest):
-        report.add("TensorRT build", "skipped", f"not buildable for TensorRT, because {reason}")
+    if reason:  # a CPU bundle: said once, not a failure
+        report.add("TensorRT build", "note", f"this bundle is not buildable for TensorRT, because {reason}; "
+                   f"{BUILDABLE_HOW}")
         return report
-    if build or not manifest.tensorrt:
+    if build:
         manifest = _build(report, bundle, manifest, plugin, flavor, has_gpu and has_trt, has_trt)
-    _engine_files(report, bundle, manifest, plugin)
+    _engine_files(report, bundle, manifest, plugin, build)
     runnable = _engines_run_here(report, manifest, gpu if has_gpu else None)
     if not (has_gpu and has_trt and runnable and manifest.tensorrt):
         missing = [what for ok, what in ((has_gpu, "a CUDA GPU with cuda-python"), (has_trt, "TensorRT"),
@@ -115,6 +118,8 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
         for name in GPU_CHECKS:
             report.add(name, "skipped", f"needs {' and '.join(missing)}")
         return report
+    from dspark.trt.gpu_checks import compare_with_onnxruntime
+
     for name, status, detail in compare_with_onnxruntime(bundle):
         report.add(name, status, detail)
     return report
@@ -127,6 +132,8 @@ def _build(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path 
     if not has_trt or not (gpu_ready or resolve_flavor(flavor).name == "rtx"):
         report.add(name, "skipped", "needs TensorRT and a GPU, or TensorRT for RTX (pip install tensorrt-rtx-cu13)")
         return manifest
+    from dspark.trt.build import build_engines
+
     out = build_engines(bundle, plugin=plugin, flavor=flavor, max_context=min(2048, manifest.max_context),
                         kernels=gpu_ready)
     report.add(name, "ok", f"{out['flavor']} {out['tensorrt']}, {out['plugin']['implementation']} plugin, plugin "
@@ -134,23 +141,32 @@ def _build(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path 
     return Manifest.read(bundle)
 
 
-def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest) -> None:
-    """The checks that need no GPU: the TensorRT operator lint and ONNX Runtime vs the PyTorch reference."""
-    findings = lint_bundle(bundle, manifest)
-    report.add("TensorRT operator lint", "ok" if not findings else "fail",
-               "every node is in TensorRT 10's ONNX support" if not findings else f"{len(findings)} problem(s), "
-               f"first: {findings[0].graph} {findings[0].op}: {findings[0].problem}")
+def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest, lint: bool) -> None:
+    """The checks that need no GPU: the TensorRT operator lint (for a bundle TensorRT can build) and ONNX Runtime vs
+    the PyTorch reference. Either is skipped, naming what to install, where the export extra is missing."""
+    if lint:
+        try:
+            from dspark.export.trt_lint import lint_bundle
+
+            findings = lint_bundle(bundle, manifest)
+            report.add("TensorRT operator lint", "ok" if not findings else "fail",
+                       "every node is in TensorRT 10's ONNX support" if not findings else f"{len(findings)} "
+                       f"problem(s), first: {findings[0].graph} {findings[0].op}: {findings[0].problem}")
+        except ModuleNotFoundError as e:
+            report.add("TensorRT operator lint", "skipped", install_hint(e) or str(e))
     try:
+        from dspark.export.check import check_bundle
+
         ort = check_bundle(bundle)
         report.add("ONNX Runtime vs PyTorch reference", "ok" if ort.passed else "fail",
                    f"{sum(row.passed for row in ort.rows)}/{len(ort.rows)} outputs within tolerance; greedy DSpark "
                    f"{'equal' if ort.e2e['dspark']['passed'] else 'DIFFERS'}, AR "
                    f"{'equal' if ort.e2e['ar']['passed'] else 'DIFFERS'}")
-    except Exception as e:  # a bundle without check data still gets the GPU report
-        report.add("ONNX Runtime vs PyTorch reference", "skipped", str(e))
+    except Exception as e:  # a bundle without check data, or an install without torch, still gets the GPU report
+        report.add("ONNX Runtime vs PyTorch reference", "skipped", install_hint(e) or str(e))
 
 
-def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None) -> None:
+def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None, build: bool) -> None:
     """The plugin and the engines the manifest records (stale when their ONNX changed since the build)."""
     section = manifest.tensorrt
     recorded = section.get("plugin", {})
@@ -162,7 +178,8 @@ def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin
         report.add("plugin library", "ok", f"Python registration ({recorded.get('module', 'dspark.trt.plugin')}), "
                    f"no library needed")
     if not section:
-        report.add("engines", "skipped", "none built yet (dspark-export build BUNDLE)")
+        report.add("engines", "skipped", "none built yet (`dspark doctor --build BUNDLE` or `dspark-export build "
+                   "BUNDLE` builds them into the bundle)" if not build else "none built")
         return
     stale = [graph for graph, engine in section.get("engines", {}).items()
              if engine.get("onnx_sha256") != manifest.graphs[graph].sha256]
@@ -170,7 +187,7 @@ def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin
     targets = f", targets {', '.join(section['targets'])}" if section.get("targets") else ""
     report.add("engines", "fail" if stale else "ok",
                f"flavor {flavor.name}: built with {flavor.module} {section.get('tensorrt')} "
-               f"({section.get('precision')}{targets}); they run on {flavor.runs_on}"
+               f"({section.get('precision')}{targets}); they run on {runs_on(flavor, section.get('targets', []))}"
                + (f"; stale for {', '.join(stale)} (ONNX changed since the build)" if stale else ""))
 
 

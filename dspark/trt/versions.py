@@ -49,6 +49,18 @@ FLAVORS = {
 TENSORRT_HINT = FLAVORS["tensorrt"].hint
 # TensorRT for RTX's ComputeCapability members, by the name users give (`--compute-capability 89`)
 RTX_TARGETS = {"75": "SM75", "80": "SM80", "86": "SM86", "89": "SM89", "120": "SM120", "121": "SM121"}
+# the GPUs of each RTX target, for saying where engines built for some of them run
+RTX_GPUS = {"SM75": "Turing SM75 (RTX 20, T4)", "SM80": "Ampere SM80 (A100)", "SM86": "Ampere SM86 (RTX 30)",
+            "SM89": "Ada SM89 (RTX 40, L4, L40)", "SM120": "Blackwell SM120 (RTX 50, RTX PRO)",
+            "SM121": "Blackwell SM121 (DGX Spark)"}
+
+
+def runs_on(flavor: Flavor, targets: list[str]) -> str:
+    """Where engines run: for TensorRT for RTX, the GPUs of the targets they were built for (not every target)."""
+    if flavor.name != "rtx" or not targets:
+        return flavor.runs_on
+    named = [RTX_GPUS.get(str(t).rsplit(".", 1)[-1], str(t)) for t in targets]
+    return f"NVIDIA GPUs of the compute capabilities built for: {', '.join(named)}; not Hopper (SM90: H100, H200)"
 
 
 def available_flavors() -> list[str]:

@@ -107,3 +107,7 @@ def test_python_blocks_run_on_a_tiny_bundle(tiny_bundle_v6, tmp_path):
                               capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "tau " in proc.stdout
+
+
+def test_the_cpu_wheel_instruction_comes_before_the_command_it_affects():
+    assert README.index("download.pytorch.org/whl/cpu") < README.index('pip install -e ".[export]"')

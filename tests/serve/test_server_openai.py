@@ -109,3 +109,25 @@ def test_metrics_count_what_was_served(server, client):
     proposed = server.metric('dspark_draft_proposed_total{position="1"}')
     accepted = server.metric('dspark_draft_accepted_total{position="1"}')
     assert 0 <= accepted <= proposed and proposed > 0
+
+
+def test_a_request_without_temperature_decodes_greedily_and_the_folder_name_is_accepted(tiny_bundle_v6, client,
+                                                                                        runtime):
+    """The server's default temperature is `dspark run`'s and the Triton model's (0), so the same request gives the
+    same text every time; the bundle folder's name is a model id as good as --model-name's."""
+    for prompt in PROMPTS[:2]:
+        expected = runtime.generate([runtime.tokenizer.encode(prompt)], DecodeOptions(max_new_tokens=16))[0]
+        for model in ("tiny", tiny_bundle_v6[3].name):
+            reply = client.completions.create(model=model, prompt=prompt, max_tokens=16)
+            assert reply.choices[0].text == expected.text and reply.model == "tiny"
+
+
+def test_the_server_logs_one_access_line_per_request_at_its_default_level(tiny_bundle_v6, tmp_path):
+    from serve_support import start_server
+
+    srv = start_server(tiny_bundle_v6[3], tmp_path / "server.log", "--log-level", "info")
+    try:
+        assert srv.get("/v1/models").status_code == 200
+    finally:
+        assert srv.stop() == 0
+    assert '"GET /v1/models HTTP/1.1" 200' in srv.log.read_text()
