@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnxruntime.capi import _pybind_state as ort_kernels
 
-from dspark.bundle import Manifest, sha256_file
+from dspark.bundle import WEIGHTS, Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.agreement import measure_agreement
 from dspark.export.gguf_blocks import Q4_1_MODES, NBitsWeight, read_matrices, to_nbits
@@ -33,7 +33,7 @@ from dspark.export.gguf_map import match_weights
 from dspark.export.ort_fused import forget_step_costs
 from dspark.export.ort_graphs import rebuild_twins
 from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
-from dspark.export.weight_stream import DataSink, StoredWeights
+from dspark.export.weight_stream import DataSink, StoredWeights, compact
 from dspark.files import atomic_folder, linked_copy, normal_mode
 
 QUANTIZABLE = ("verifier", "draft", "heads")
@@ -251,9 +251,18 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
                 records["verifier"]["agreement"] = measure_agreement(
                     bundle, staging, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
         rebuild_twins(staging, manifest, graphs)  # the old ones multiply by the old weights
+        _drop_unread_weights(staging, manifest)
         manifest.quantized.update(records)
         manifest.write(staging)
     return records
+
+
+def _drop_unread_weights(staging: Path, manifest: Manifest) -> None:
+    """The shared weights file loses the original weights no graph reads any more (graphs re-hashed)."""
+    files = {g: Manifest.path(staging, spec.file) for g, spec in manifest.graphs.items()}
+    if compact(staging, files, WEIGHTS):
+        for g, path in files.items():
+            manifest.graphs[g].sha256 = sha256_file(path)
 
 
 def quantize_graph(bundle: Path, graph: str = "heads", bits: int = 8, block_size: int = 32,

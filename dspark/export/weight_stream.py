@@ -31,6 +31,14 @@ def _dtype(init: onnx.TensorProto) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
 
 
+def _span(init: onnx.TensorProto, ext: dict[str, str]) -> tuple[int, int]:
+    """(offset, length) of an external initializer's bytes (length from its shape when the entry has none)."""
+    length = ext.get("length")
+    if length is None:
+        length = int(np.prod(init.dims, dtype=np.int64)) * _dtype(init).itemsize
+    return int(ext.get("offset", 0)), int(length)
+
+
 class StoredWeights:
     """The initializers of a skeleton graph, read from the folder that holds its data files."""
 
@@ -51,7 +59,7 @@ class StoredWeights:
             return numpy_helper.to_array(init)
         dtype, shape = _dtype(init), tuple(init.dims)
         count = int(np.prod(shape)) if shape else 1
-        offset, length = int(ext.get("offset", 0)), int(ext.get("length", count * dtype.itemsize))
+        offset, length = _span(init, ext)
         path = self.data_file(init)
         if length != count * dtype.itemsize or offset + length > path.stat().st_size:
             raise DSparkError(f"initializer {init.name}: {length} bytes at {offset} of {path.name} do not hold "
@@ -64,9 +72,11 @@ class StoredWeights:
 class DataSink:
     """A new external data file being written: each array appended once, aligned, and referenced by name."""
 
-    def __init__(self, folder: Path, location: str):
+    def __init__(self, folder: Path, location: str, path: Path | None = None):
+        """Initializers will name `location` (in `folder`); the bytes go to `path` (default: that file), e.g. a
+        temporary file that replaces it once complete."""
         self.folder, self.location = Path(folder), location
-        self.path = self.folder / location
+        self.path = path or self.folder / location
         self.path.unlink(missing_ok=True)  # (a hard link to an old bundle's file is unlinked, never written)
         self.file = open(self.path, "wb")
         self.size = 0
@@ -104,24 +114,65 @@ class DataSink:
         ext = _external(init)
         if ext is None:
             return
-        source, offset = stored.data_file(init), int(ext.get("offset", 0))
-        length = int(ext.get("length", source.stat().st_size - offset))
+        source, (offset, length) = stored.data_file(init), _span(init, ext)
         if length < INLINE_BYTES:
             init.CopyFrom(numpy_helper.from_array(np.array(stored.array(init)), init.name))
             return
-        at = self._reserve()
         with open(source, "rb") as f:
-            f.seek(offset)
-            left = length
-            while left:
-                chunk = f.read(min(left, COPY_CHUNK))
-                if not chunk:
-                    raise DSparkError(f"initializer {init.name}: {source.name} ends before its {length} bytes")
-                self.file.write(chunk)
-                left -= len(chunk)
+            self._point(init, self.copy(f, offset, length), length)
+
+    def copy(self, f, offset: int, length: int) -> int:
+        """Append `length` bytes of the open file f from `offset`, in chunks; returns where they now start."""
+        at = self._reserve()
+        f.seek(offset)
+        left = length
+        while left:
+            chunk = f.read(min(left, COPY_CHUNK))
+            if not chunk:
+                raise DSparkError(f"{Path(f.name).name} ends before the {length} bytes at {offset} a graph reads")
+            self.file.write(chunk)
+            left -= len(chunk)
         self.size += length
-        self._point(init, at, length)
+        return at
 
     def close(self) -> None:
         self.file.close()
 
+
+
+def compact(folder: Path, graphs: dict[str, Path], location: str, slack: int = 64 << 20) -> int:
+    """Rewrite the shared data file `location` of a bundle folder with only the byte ranges its graphs still read
+    (after quantizing, the shared file keeps every original weight the quantized graphs no longer read), and point
+    the graphs (name -> .onnx path, rewritten when they read the file) at the new offsets. Files are replaced,
+    never written in place (a hard link to another bundle's file stays as it was). Returns the bytes dropped; 0
+    and nothing rewritten when under `slack` would be."""
+    path = folder / location
+    if not path.is_file():
+        return 0
+    skeletons = {g: onnx.load(str(p), load_external_data=False) for g, p in graphs.items()}
+    readers: dict[str, list[onnx.TensorProto]] = {}
+    ranges: set[tuple[int, int]] = set()
+    for g, model in skeletons.items():
+        for init in model.graph.initializer:
+            ext = _external(init)
+            if ext is not None and ext["location"] == location:
+                readers.setdefault(g, []).append(init)
+                ranges.add(_span(init, ext))
+    size = path.stat().st_size
+    if size - sum(length for _, length in ranges) < slack:
+        return 0
+    fresh = folder / f".{location}.compact"
+    sink = DataSink(folder, location, fresh)
+    try:
+        with open(path, "rb") as f:
+            moved = {r: sink.copy(f, *r) for r in sorted(ranges)}
+    finally:
+        sink.close()
+    for g, inits in readers.items():
+        for init in inits:
+            span = _span(init, _external(init))
+            sink._point(init, moved[span], span[1])
+        graphs[g].unlink()  # (a hard link: replaced, not written)
+        onnx.save(skeletons[g], str(graphs[g]))
+    fresh.replace(path)
+    return size - sink.size

@@ -108,3 +108,35 @@ def test_quantize_a_bundle_copied_with_hard_links(tiny_bundle_v6, tmp_path):
     assert "heads" in Manifest.read(linked).quantized
     assert {f.name: sha256_file(f) for f in src.iterdir() if f.is_file()} == before
     assert Runtime(linked).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
+
+
+def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp_path):
+    """After quantizing, compacting weights.data drops the weights no graph reads: the decode is unchanged, the
+    graphs' new offsets are right, and a bundle hard-linked to the copy is left as it was."""
+    import os
+
+    from dspark.bundle import WEIGHTS, sha256_file
+    from dspark.export.quantize import QuantizeOptions, quantize_bundle
+    from dspark.export.weight_stream import compact
+
+    q = tmp_path / "q"
+    shutil.copytree(tiny_bundle_v6[3], q)
+    quantize_bundle(q, ["draft"], QuantizeOptions(bits=8, min_elements=0))  # the verifier still reads the file
+    want = Runtime(q).generate([PROMPT], DecodeOptions(max_new_tokens=8))[0].token_ids
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in q.iterdir():
+        if f.is_file():
+            os.link(f, linked / f.name)
+    before = {f.name: sha256_file(f) for f in q.iterdir() if f.is_file()}
+    manifest = Manifest.read(linked)
+    graphs = {g: linked / spec.file for g, spec in manifest.graphs.items()}
+    size = (linked / WEIGHTS).stat().st_size
+    assert compact(linked, graphs, WEIGHTS, slack=1 << 40) == 0  # under the slack: nothing rewritten
+    dropped = compact(linked, graphs, WEIGHTS, slack=0)
+    assert 0 < dropped < size and (linked / WEIGHTS).stat().st_size == size - dropped
+    for g, path in graphs.items():
+        manifest.graphs[g].sha256 = sha256_file(path)
+    manifest.write(linked)
+    assert Runtime(linked).generate([PROMPT], DecodeOptions(max_new_tokens=8))[0].token_ids == want
+    assert {f.name: sha256_file(f) for f in q.iterdir() if f.is_file()} == before
