@@ -10,6 +10,7 @@ the runtime's users need: peak RSS <= 1.5 x the quantized bundle + 1 GB.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -45,10 +46,12 @@ def one_size(size: str, args, tokenizer_from: Path) -> dict:
     if not (bundle / "manifest.json").exists() or args.reexport:
         shutil.rmtree(bundle, ignore_errors=True)
         row["export"] = timed([str(TOOL), "onnx", "--target", str(work / "target"), "--draft", str(work / "draft"),
-                               "-o", str(bundle), "--precision", "bf16", "--no-check", "-q"], work / "export.log")
+                               "-o", str(bundle), "--precision", "bf16", "--no-check", "-q",
+                               "--max-context", str(args.max_context)], work / "export.log")
         if row["export"]["returncode"]:
             return row
     graphs = ["verifier", "draft"]
+    row["max_context"] = json.loads((bundle / "manifest.json").read_text())["max_context"]
     row["bf16_graph_bytes"] = graph_bytes(bundle, graphs)
     quantized = work / "bundle-q4"
     shutil.rmtree(quantized, ignore_errors=True)
@@ -72,14 +75,19 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/dspark-quantize-memory")
     ap.add_argument("--agreement-prompts", type=int, default=0, help="the agreement run (0: none; it decodes)")
     ap.add_argument("--reexport", action="store_true")
+    ap.add_argument("--max-context", type=int, default=4096, help="the bundles' context (export --max-context)")
+    ap.add_argument("--merge", action="store_true", help="keep the other sizes' rows of an earlier run in --out")
     ap.add_argument("--keep", action="store_true", help="keep the quantized bundles")
     ap.add_argument("--out", default=str(ROOT / "bench/results/quantize_memory.json"))
     args = ap.parse_args()
     from dspark.models.target import load_target
 
     tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
+    sizes = args.sizes.split(",")
     rows = []
-    for size in args.sizes.split(","):
+    if args.merge and Path(args.out).exists():
+        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["size"] not in sizes]
+    for size in sizes:
         rows.append(one_size(size, args, tokenizer_from))
         out = write_json(args.out, {"machine": machine(), "rows": rows})
         print(rows[-1], flush=True)

@@ -51,6 +51,28 @@ def decode(folder: Path, max_new: int) -> dict:
             "heads_ms_per_round": round(1e3 * sum(t.heads for _, _, t in ds) / drafted, 2)}
 
 
+def batch_fit(folder: Path, batch: int, context: int, max_new: int) -> dict:
+    """Autoregressive decoding of `batch` requests in slots whose caches hold `context` positions: does it fit,
+    at what speed, and what the caches take per slot (fp32 K/V of the target and of the draft backbone)."""
+    from dspark.runtime import DecodeOptions, Runtime
+    from dspark.runtime.decoder import Decoder
+
+    with Runtime(folder) as rt:
+        ids = [rt.encode(p) for p in (PROMPTS * batch)[:batch]]
+        context = min(context, rt.manifest.max_context)  # (the bundle's own limit, recorded below)
+        dec = Decoder(rt.backend, rt.manifest, ids, DecodeOptions(max_new_tokens=max_new, policy="ar",
+                                                                  batch_size=batch), capacity=context)
+        for _ in dec:
+            pass
+        tokens = sum(len(r.token_ids) for r in dec.results)
+        decode_s = dec.times.total - dec.times.prefill
+    return {"batch": batch, "context": dec.capacity, "tokens": tokens,
+            "tokens_per_s": round(tokens / decode_s, 3) if decode_s > 0 else None,
+            "target_kv_gb_per_slot": round(dec.kv.buffer.nbytes / batch / 2**30, 3),
+            "draft_kv_gb_per_slot": round(dec.draft_kv.buffer.nbytes / batch / 2**30, 3),
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
 def computed(steps: dict, draft_heads_ms: float, taus: list[float]) -> dict:
     """tokens/s at mean acceptance length tau: tau / (draft + heads + the step of >= tau + 1 positions)."""
     out = {}
@@ -72,6 +94,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--taus", default="2,3,4,5")
+    ap.add_argument("--fit-batch", type=int, default=4)
+    ap.add_argument("--fit-context", type=int, default=4096, help="0: no batch-fit run")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_size.json"))
     args = ap.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
@@ -86,6 +110,8 @@ def main() -> None:
         row["draft_heads_over_step"] = {k: round(dh / v["median_ms"]["1"], 3) for k, v in row["steps"].items()}
         row["computed"] = computed(row["steps"], dh, [float(t) for t in args.taus.split(",")])
         row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+        if args.fit_context:
+            row["batch_fit"] = batch_fit(Path(folder), args.fit_batch, args.fit_context, 16)
         rows.append(row)
         out = write_json(args.out, {"machine": machine(), "past": args.past, "reps": args.reps, "rows": rows,
                                     "note": "DSpark rows under 'computed' are computed from measured costs, not "
