@@ -14,6 +14,7 @@ tau + 1 positions.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 from pathlib import Path
 
@@ -96,10 +97,14 @@ def main() -> None:
     ap.add_argument("--taus", default="2,3,4,5")
     ap.add_argument("--fit-batch", type=int, default=4)
     ap.add_argument("--fit-context", type=int, default=4096, help="0: no batch-fit run")
+    ap.add_argument("--merge", action="store_true", help="keep the other labels' rows of an earlier run in --out")
     ap.add_argument("--out", default=str(ROOT / "bench/results/real_size.json"))
     args = ap.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
+    labels = [item.split("=", 1)[0] for item in args.bundle]
     rows = []
+    if args.merge and Path(args.out).exists():
+        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["label"] not in labels]
     for item in args.bundle:
         label, folder = item.split("=", 1)
         row = {"label": label, "bundle": folder,
