@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--taus", default="2,3,4,5")
+    ap.add_argument("--steps-only", action="store_true", help="only the verifier steps (no decode, no batch fit)")
     ap.add_argument("--fit-batch", type=int, default=4)
     ap.add_argument("--fit-context", type=int, default=4096, help="0: no batch-fit run")
     ap.add_argument("--merge", action="store_true", help="keep the other labels' rows of an earlier run in --out")
@@ -110,12 +111,14 @@ def main() -> None:
         row = {"label": label, "bundle": folder,
                "bundle_bytes": sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())}
         row["steps"] = step_costs(Path(folder), positions, args.past, args.reps)
-        row["decode"] = decode(Path(folder), args.max_new_tokens)
-        dh = row["decode"]["draft_ms_per_round"] + row["decode"]["heads_ms_per_round"]
-        row["draft_heads_over_step"] = {k: round(dh / v["median_ms"]["1"], 3) for k, v in row["steps"].items()}
-        row["computed"] = computed(row["steps"], dh, [float(t) for t in args.taus.split(",")])
         row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-        if args.fit_context:
+        if not args.steps_only:
+            row["decode"] = decode(Path(folder), args.max_new_tokens)
+            dh = row["decode"]["draft_ms_per_round"] + row["decode"]["heads_ms_per_round"]
+            row["draft_heads_over_step"] = {k: round(dh / v["median_ms"]["1"], 3) for k, v in row["steps"].items()}
+            row["computed"] = computed(row["steps"], dh, [float(t) for t in args.taus.split(",")])
+            row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+        if args.fit_context and not args.steps_only:
             row["batch_fit"] = batch_fit(Path(folder), args.fit_batch, args.fit_context, 16)
         rows.append(row)
         out = write_json(args.out, {"machine": machine(), "past": args.past, "reps": args.reps, "rows": rows,

@@ -239,3 +239,19 @@ def test_weight_store_drops_queued_writes_when_the_export_fails(tmp_path):
         for i in range(5):
             store.place((i,), quick(i), ir.DataType.FLOAT, [4], f"w{i}")
     assert (tmp_path / store.name).stat().st_size > 4 * 16
+
+
+def test_auto_weights_mode_does_not_widen_quantized_blocks(tmp_path, monkeypatch):
+    """Only the export's weights.data widens to fp32; a quantized graph's own data (MatMulNBits blocks) is
+    counted once, so a 4-bit bundle that fits packed is not mapped (unpacked MatMulNBits runs ~40x slower)."""
+    from types import SimpleNamespace
+
+    from dspark.runtime import ort_backend
+
+    (tmp_path / "weights.data").write_bytes(b"\0" * 1000)
+    (tmp_path / "verifier.onnx.data").write_bytes(b"\0" * 6000)
+    manifest = SimpleNamespace(precision="bf16")
+    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
+    assert ort_backend.weights_mode(tmp_path, manifest) == "packed"  # 2 x 1000 + 6000 fits
+    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) - 10)
+    assert ort_backend.weights_mode(tmp_path, manifest) == "mapped"
