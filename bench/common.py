@@ -59,6 +59,13 @@ def write_json(path: str | Path, obj: dict) -> Path:
     return path
 
 
+def earlier_rows(path: str | Path, key: str, redone: list[str], merge: bool) -> list[dict]:
+    """With merge: the rows of an earlier run's JSON at `path` whose `key` is not among `redone` (else none)."""
+    if not merge or not Path(path).exists():
+        return []
+    return [r for r in json.loads(Path(path).read_text())["rows"] if r[key] not in redone]
+
+
 def pyplot() -> ModuleType:
     """matplotlib.pyplot drawing to files only (the Agg backend)."""
     optional_import("matplotlib", "pip install matplotlib").use("Agg")

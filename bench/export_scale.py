@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ROOT, machine, write_json
+from common import ROOT, earlier_rows, machine, write_json
 
 QWEN3 = {  # hidden, layers, intermediate, heads, kv heads, tied embeddings (Qwen3 configs on the Hub)
     "0.6b": (1024, 28, 3072, 16, 8, True),
@@ -328,9 +328,7 @@ def main() -> None:
 
     tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
     sizes = args.sizes.split(",")
-    rows = []
-    if args.merge and Path(args.out).exists():
-        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["size"] not in sizes]
+    rows = earlier_rows(args.out, "size", sizes, args.merge)
     for size in sizes:  # the JSON is rewritten after each size: a long run keeps what it measured
         rows.append(one_size(size, args, tokenizer_from))
         rows.sort(key=lambda r: r["target_params"])

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, machine, write_json
+from common import ROOT, earlier_rows, machine, write_json
 from export_scale import checkpoint_params, timed, write_drafter, write_target
 
 TOOL = Path(sys.executable).with_name("dspark-export")
@@ -84,9 +84,7 @@ def main() -> None:
 
     tokenizer_from = load_target("smollm2-135m", lazy=True).folder  # any chat tokenizer: the weights are random
     sizes = args.sizes.split(",")
-    rows = []
-    if args.merge and Path(args.out).exists():
-        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["size"] not in sizes]
+    rows = earlier_rows(args.out, "size", sizes, args.merge)
     for size in sizes:
         rows.append(one_size(size, args, tokenizer_from))
         out = write_json(args.out, {"machine": machine(), "rows": rows})

@@ -14,14 +14,13 @@ tau + 1 positions.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 from pathlib import Path
 
 import numpy as np
 
 
-from common import ROOT, machine, write_json
+from common import ROOT, earlier_rows, machine, write_json
 from verify_ratio import Step, measure, summarize
 
 PROMPTS = ["What is 12 times 7?", "Name three primes.", "Write one sentence about rivers."]
@@ -103,9 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     labels = [item.split("=", 1)[0] for item in args.bundle]
-    rows = []
-    if args.merge and Path(args.out).exists():
-        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["label"] not in labels]
+    rows = earlier_rows(args.out, "label", labels, args.merge)
     for item in args.bundle:
         label, folder = item.split("=", 1)
         row = {"label": label, "bundle": folder,
