@@ -171,7 +171,8 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     except Exception as e:  # protobuf errors
         raise DSparkError(f"cannot read {source}: {str(e).splitlines()[0][:200]}") from None
     minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
-    weights = constant_matmul_weights(model, minimum, StoredWeights(source.parent))
+    stored = StoredWeights(source.parent)
+    weights = constant_matmul_weights(model, minimum, stored)
     _name_by_weight(weights)
     if not weights:
         raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
@@ -193,7 +194,7 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
         written = set(writer.written)
         for init in model.graph.initializer:  # the weights left as they were: into the new data file
             if init.name not in written:
-                sink.adopt(init, StoredWeights(source.parent))
+                sink.adopt(init, stored)
     finally:
         sink.close()
     onnx.save(model, str(target))

@@ -88,7 +88,8 @@ class DataSink:
             self.size += pad
         return self.size
 
-    def _point(self, init: onnx.TensorProto, offset: int, length: int) -> onnx.TensorProto:
+    def point(self, init: onnx.TensorProto, offset: int, length: int) -> onnx.TensorProto:
+        """Make `init` a reference to `length` bytes at `offset` of this file (compact re-points graphs too)."""
         init.ClearField("raw_data")
         del init.external_data[:]
         init.data_location = onnx.TensorProto.EXTERNAL
@@ -107,7 +108,7 @@ class DataSink:
         self.size += array.nbytes
         init = onnx.TensorProto(name=name, dims=list(array.shape),
                                 data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        return self._point(init, offset, array.nbytes)
+        return self.point(init, offset, array.nbytes)
 
     def adopt(self, init: onnx.TensorProto, stored: StoredWeights) -> None:
         """Point an initializer of the skeleton at this file, copying its external bytes (in place)."""
@@ -119,7 +120,7 @@ class DataSink:
             init.CopyFrom(numpy_helper.from_array(np.array(stored.array(init)), init.name))
             return
         with open(source, "rb") as f:
-            self._point(init, self.copy(f, offset, length), length)
+            self.point(init, self.copy(f, offset, length), length)
 
     def copy(self, f, offset: int, length: int) -> int:
         """Append `length` bytes of the open file f from `offset`, in chunks; returns where they now start."""
@@ -171,7 +172,7 @@ def compact(folder: Path, graphs: dict[str, Path], location: str, slack: int = 6
     for g, inits in readers.items():
         for init in inits:
             span = _span(init, _external(init))
-            sink._point(init, moved[span], span[1])
+            sink.point(init, moved[span], span[1])
         graphs[g].unlink()  # (a hard link: replaced, not written)
         onnx.save(skeletons[g], str(graphs[g]))
     fresh.replace(path)
