@@ -19,8 +19,8 @@ import click
               help="Quantization block along the reduction axis.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
               help="MatMulNBits accuracy_level: 4 = int8 activations (faster; for the verifier exact on its fused "
-                   "twin, which then runs several requests one by one), 0 = fp32 (default: 0 for the verifier's "
-                   "4-bit weights, closer to fp32 and batched; else 4).")
+                   "twin, which then runs several requests one by one), 0 = fp32 (closer to fp32, batched). "
+                   "Default: 4, but 0 for the 4-bit layers of a verifier without a fused twin.")
 @click.option("--head-accuracy-level", type=click.IntRange(0, 4),
               help="accuracy_level of the vocabulary-sized MatMul (default: 4 for 8-bit weights).")
 @click.option("--asymmetric", is_flag=True, help="onnxruntime's quantizer with zero points (default: symmetric).")

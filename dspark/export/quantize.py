@@ -61,9 +61,6 @@ def _check_options(manifest: Manifest, graphs: list[str], opts: QuantizeOptions)
     for g in graphs:
         if g not in QUANTIZABLE:
             raise DSparkError(f"{g!r} is not a graph of a bundle ({', '.join(QUANTIZABLE)})")
-    for g in graphs:
-        if g in manifest.quantized:
-            raise DSparkError(f"{g}.onnx is already quantized ({manifest.quantized[g].get('bits', '?')}-bit)")
     if opts.bits not in (4, 8) or opts.head_bits not in (4, 8):
         raise DSparkError(f"--bits {opts.bits} / --head-bits {opts.head_bits}: MatMulNBits weights are 4 or 8 bits")
     if "heads" in graphs and opts.bits != 8:
@@ -96,22 +93,26 @@ def gguf_source(manifest: Manifest, choice: str) -> Path | None:
     return path
 
 
-def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool) -> int:
-    """accuracy_level of one MatMulNBits: as asked, else int8 activations (4) for 8-bit weights, whose fp32 path
-    ONNX Runtime's CPU kernel runs tens of times slower (SmolLM2's verifier step with its 8-bit LM head at
-    level 0: 327 vs 34 ms), and on the draft side; fp32 activations (0) for the verifier's 4-bit weights.
-    Rounding activations to int8 turns the last-bit differences between a 1-position and a k-position verifier
-    step into different tokens unless every step computes a position alike, which only the fused verifier does
-    (dspark.export.ort_fused._PadToTwo; several requests then run one by one); and its top-1 agreement with fp32
-    falls (SmolLM2 Q4_1 blocks: 94.1% against 99.65%), so the verifier's 4-bit layers keep fp32 activations."""
+def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool, fused: bool) -> int:
+    """accuracy_level of one MatMulNBits: as asked, else int8 activations (4), except for the 4-bit layers of a
+    verifier without a fused twin (0: fp32 activations).
+
+    int8 activations are what makes a 4-bit step fast: ONNX Runtime's fp32-activation kernel for several rows
+    dequantizes blocks into fp32 tiles, and at one row it is still slower than the int8 kernel; the 8-bit kernel's
+    fp32 path is tens of times slower. They are also what llama.cpp does (its K-quant and Q4_0 dot products
+    quantize activations to 8 bits). But rounding activations turns a kernel's last-bit differences between a
+    1-position and a k-position step into different tokens unless every step computes a position alike, which
+    only the fused verifier does (dspark.export.ort_fused._PadToTwo; several requests then run one by one). So a
+    verifier with no fused twin keeps fp32 activations in its layers, and a verifier with one rounds them; the
+    top-1 agreement with fp32 that quantize measures shows what that costs."""
     asked = opts.head_accuracy_level if head else opts.accuracy_level
     if asked is not None:
         return asked
-    return 0 if graph == "verifier" and bits == 4 else 4
+    return 0 if graph == "verifier" and bits == 4 and not fused else 4
 
 
-def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vocab: int, opts: QuantizeOptions
-                 ) -> tuple[dict, list[ConstWeight]]:
+def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vocab: int, opts: QuantizeOptions,
+                 fused: bool) -> tuple[dict, list[ConstWeight]]:
     """Replace every MatMul whose weight a GGUF matrix holds by that matrix's own blocks; (report, the rest)."""
     matrices, unsupported = read_matrices(path)
     matches, rest = match_weights(weights, matrices)
@@ -125,7 +126,7 @@ def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vo
         probe = nbits.window(PROBE_ROWS, PROBE_COLS)  # what the kernel multiplies by, on a window
         diff = float(abs(probe_weight(probe) - want[:probe.rows, :probe.cols]).max())
         worst[m.matrix.qtype] = max(worst.get(m.matrix.qtype, 0.0), diff)
-        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab))
+        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab, fused))
     formats = Counter(m.matrix.qtype for m in matches)
     return {"gguf": str(path), "formats": dict(sorted(formats.items())),
             "q4_1": opts.q4_1 if "Q4_1" in formats else None,
@@ -147,14 +148,14 @@ def _round_to_nearest(weight: np.ndarray, bits: int, block_size: int, symmetric:
 
 
 def _ort_quantize(writer: NBitsWriter, weights: list[ConstWeight], vocab: int, graph: str,
-                  opts: QuantizeOptions) -> dict:
+                  opts: QuantizeOptions, fused: bool) -> dict:
     """Round-to-nearest MatMulNBits (onnxruntime's kernel), one weight at a time: the vocabulary-sized MatMul at
     head_bits, the others at bits."""
     kinds: Counter = Counter()
     for w in weights:
         head = w.shape[1] == vocab
         bits = opts.head_bits if head else opts.bits
-        level = _level(opts, graph, bits, head)
+        level = _level(opts, graph, bits, head, fused)
         writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level)
         kinds[(bits, level)] += 1
     return {"matmuls": {f"{bits}-bit, accuracy_level {level}": count for (bits, level), count in sorted(kinds.items())}}
@@ -185,11 +186,12 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     try:
         writer = NBitsWriter(model, 4, store=sink.add)
         gguf = gguf_source(manifest, opts.gguf) if graph == "verifier" else None
+        fused = "verifier_fused" in manifest.graphs  # rebuilt from the quantized verifier (rebuild_twins)
+        vocab = manifest.target["vocab_size"]
         if gguf is not None:
-            record["gguf_blocks"], weights = _gguf_blocks(writer, weights, gguf, manifest.target["vocab_size"], opts)
+            record["gguf_blocks"], weights = _gguf_blocks(writer, weights, gguf, vocab, opts, fused)
         if weights:
-            record["onnxruntime_quantizer"] = _ort_quantize(writer, weights, manifest.target["vocab_size"], graph,
-                                                            opts)
+            record["onnxruntime_quantizer"] = _ort_quantize(writer, weights, vocab, graph, opts, fused)
         writer.apply()
         written = set(writer.written)
         for init in model.graph.initializer:  # the weights left as they were: into the new data file
@@ -239,6 +241,14 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
     manifest = Manifest.read(bundle)
     graphs = list(dict.fromkeys(graphs))
     _check_options(manifest, graphs, opts)
+    done = [g for g in graphs if g in manifest.quantized]
+    if done:
+        levels = opts.accuracy_level is not None or opts.head_accuracy_level is not None
+        if not levels or len(done) < len(graphs):
+            raise DSparkError(f"{done[0]}.onnx is already quantized ({manifest.quantized[done[0]].get('bits', '?')}"
+                              f"-bit); --accuracy-level / --head-accuracy-level alone change how its MatMulNBits "
+                              f"round activations (quantized graphs only)")
+        return relevel_bundle(bundle, manifest, graphs, opts)
     with atomic_folder(bundle) as staging:
         linked_copy(bundle, staging)
         records = {}
@@ -256,6 +266,49 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
         manifest.quantized.update(records)
         manifest.write(staging)
     return records
+
+
+def relevel_bundle(bundle: Path, manifest: Manifest, graphs: list[str], opts: QuantizeOptions) -> dict[str, dict]:
+    """Set the accuracy_level of quantized graphs' MatMulNBits (the layers' to opts.accuracy_level, the
+    vocabulary-sized head's to opts.head_accuracy_level; None leaves them): only the .onnx files change, the
+    weights stay. The twins made from them are rebuilt, a verifier's SPS table dropped, and its agreement record
+    with it (measured at the old level)."""
+    vocab = manifest.target["vocab_size"]
+    with atomic_folder(bundle) as staging:
+        linked_copy(bundle, staging)
+        records = {}
+        for graph in graphs:
+            path = Manifest.path(staging, manifest.graphs[graph].file)
+            model = onnx.load(str(path), load_external_data=False)
+            nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+            for node in nbits:
+                level = opts.head_accuracy_level if _attr(node, "N") == vocab else opts.accuracy_level
+                if level is not None:
+                    _set_level(node, level)
+            path.unlink()  # a hard link to the old bundle's file: unlinked, never written
+            onnx.save(model, str(path))
+            normal_mode(path)
+            manifest.graphs[graph].sha256 = sha256_file(path)
+            record = dict(manifest.quantized[graph])
+            record.pop("agreement", None)
+            record["matmulnbits"] = dict(sorted(Counter(_kind(n) for n in nbits).items()))
+            record["layer_accuracy_levels"] = sorted({_attr(n, "accuracy_level") for n in nbits
+                                                      if _attr(n, "N") != vocab})
+            records[graph] = record
+        if "verifier" in graphs:
+            forget_step_costs(manifest)
+        rebuild_twins(staging, manifest, graphs)
+        manifest.quantized.update(records)
+        manifest.write(staging)
+    return records
+
+
+def _set_level(node: onnx.NodeProto, level: int) -> None:
+    for a in node.attribute:
+        if a.name == "accuracy_level":
+            a.i = level
+            return
+    node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
 
 
 def _drop_unread_weights(staging: Path, manifest: Manifest) -> None:
@@ -284,7 +337,8 @@ def describe_record(graph: str, rec: dict) -> str:
         parts.append(f"GGUF blocks ({formats}; max |w - gguf| {worst:.3g})")
     ort_part = rec.get("onnxruntime_quantizer")
     if ort_part:
-        parts.append("onnxruntime " + ", ".join(f"{k}: {v}" for k, v in ort_part["matmuls"].items()))
+        parts.append(f"onnxruntime round-to-nearest {sum(ort_part['matmuls'].values())}")
+    parts.append(", ".join(f"{k}: {v}" for k, v in rec["matmulnbits"].items()))
     line = (f"{graph}.onnx: {len(rec['matmuls'])} MatMul(s) -> {rec['op']} {rec['bits']}-bit, block "
             f"{rec['block_size']}: {'; '.join(parts)}")
     agreement = rec.get("agreement")

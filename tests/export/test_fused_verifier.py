@@ -177,9 +177,12 @@ def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch)
     gguf_tests.make_gguf_target(q, tmp_path / "tiny.gguf")
     records = quantize_bundle(q, ["verifier"], QuantizeOptions(bits=4, min_elements=0, agreement_prompts=0))
     assert records["verifier"]["gguf_blocks"]["formats"]["Q4_1"] > 0
+    layers = Manifest.read(q).target["num_layers"]
+    # a verifier with a fused twin rounds its layers' activations to int8 by default (fast, exact on the twin)
+    assert records["verifier"]["matmulnbits"] == {"4-bit, accuracy_level 4": 7 * layers, "8-bit, accuracy_level 4": 1}
+    assert Manifest.read(q).quantized_activations("verifier")
     model = onnx.load(str(q / FUSED_FILE), load_external_data=False)
     ops = Counter(n.op_type for n in model.graph.node)
-    layers = Manifest.read(q).target["num_layers"]
     assert ops["MatMulNBits"] == 4 * layers + 1 and ops["ReduceSum"] >= 3 * layers  # minimum terms' block sums
     ps = prompts(4, seed=12)
     options = DecodeOptions(max_new_tokens=16, batch_size=1)
@@ -330,6 +333,37 @@ def test_a_verifier_with_int8_activations_runs_several_requests_one_by_one(fused
             n = int(alone.kv.lengths[0]) + len(tokens[b])
             assert np.array_equal(taps[b], alone_taps[0])
             assert np.array_equal(cache[:, :, b, :, :n], alone_cache[:, :, 0, :, :n])
+
+
+def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path):
+    """`quantize --accuracy-level` on a quantized verifier: only the graphs' levels change (the weights' data
+    files are the same files), the fused twin is rebuilt at the new level, and greedy DSpark still equals AR."""
+    q = tmp_path / "q"
+    linked_copy(fused, q)
+    quantize_bundle(q, ["verifier"], QuantizeOptions(bits=4, min_elements=0, accuracy_level=0, agreement_prompts=0))
+    man = Manifest.read(q)
+    assert not man.quantized_activations("verifier") and man.quantized["verifier"]["layer_accuracy_levels"] == [0]
+    data = q / f"{man.graphs['verifier'].file}.data"
+    inode = data.stat().st_ino
+    res = CliRunner().invoke(export_cli, ["quantize", str(q), "--graphs", "verifier"])
+    assert res.exit_code != 0 and "already quantized" in res.output and "--accuracy-level" in res.output
+    res = CliRunner().invoke(export_cli, ["quantize", str(q), "--graphs", "verifier", "--accuracy-level", "4"])
+    assert res.exit_code == 0, res.output
+    assert "4-bit, accuracy_level 4" in res.output
+    man = Manifest.read(q)
+    assert man.quantized_activations("verifier") and "agreement" not in man.quantized["verifier"]
+    assert data.stat().st_ino == inode  # the weights were not rewritten
+    for graph in ("verifier", "verifier_fused"):
+        path = q / man.graphs[graph].file
+        assert man.graphs[graph].sha256 == sha256_file(path)
+        levels = {a.i for n in onnx.load(str(path), load_external_data=False).graph.node
+                  if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+        assert levels == {4}, graph
+    ps = prompts(3, seed=9)
+    options = DecodeOptions(max_new_tokens=12, batch_size=1)
+    rt = _runtime(q, "auto")
+    assert [r.token_ids for r in rt.generate(ps, options)] == \
+        [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
 
 
 @pytest.mark.parametrize("record, rounds", [
