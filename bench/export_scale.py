@@ -46,7 +46,7 @@ def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     hidden, layers, inter, heads, kv, tied = QWEN3[size]
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    config = Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=128, tie_word_embeddings=tied,
                          max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16")
     with torch.device("meta"):
