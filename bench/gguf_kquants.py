@@ -32,12 +32,11 @@ PROMPTS = ["What is 12 times 7?", "Name three primes.", "Write one sentence abou
 def make_gguf(llama: Path, target: Path, work: Path, qtype: str) -> Path:
     import llama_cpp
 
-    f16 = work / "f16.gguf"
-    if not f16.exists():
+    f16, out = work / "f16.gguf", work / f"{qtype}.gguf"
+    if not out.exists() and not f16.exists():
         env = dict(os.environ, PYTHONPATH=str(llama / "gguf-py"))
         subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(target), "--outtype", "f16",
                         "--outfile", str(f16)], check=True, env=env, stdout=subprocess.DEVNULL)
-    out = work / f"{qtype}.gguf"
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
@@ -58,8 +57,10 @@ def decode_speed(bundle: Path, gguf: Path, max_new: int, passes: int) -> dict:
         ar = rt.generate(ids, DecodeOptions(max_new_tokens=max_new, policy="ar", batch_size=1))
         ds = rt.generate(ids, DecodeOptions(max_new_tokens=max_new, policy="all", batch_size=1))
         equal = [a.token_ids == d.token_ids for a, d in zip(ar, ds)]
-        llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
         rates: dict[str, list[float]] = {"dspark_ar": [], "llama.cpp": []}
+        if not passes:
+            return {"greedy_dspark_equals_ar": equal, "max_new_tokens": max_new, "prompts": len(PROMPTS)}
+        llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
         for _ in range(passes):
             t0, n = time.perf_counter(), 0
             for p in ids:
@@ -80,14 +81,18 @@ def decode_speed(bundle: Path, gguf: Path, max_new: int, passes: int) -> dict:
 
 
 def one_type(args, work: Path, gguf: Path) -> dict:
-    row: dict = {"type": gguf.stem, "gguf_bytes": gguf.stat().st_size}
+    row: dict = {"type": gguf.stem, "gguf_bytes": gguf.stat().st_size, "precision": args.precision}
     bundle, cache = work / f"bundle-{gguf.stem}", work / "cache"
     if not (bundle / "manifest.json").exists():
         os.environ["DSPARK_CACHE"] = str(cache)  # the target's cache of this run only: its size is reported
         row["export"] = timed([str(TOOL), "onnx", "--target", str(gguf), "--draft", str(work / "draft"), "-o",
-                               str(bundle), "--no-check", "-q"], work / f"export-{gguf.stem}.log")
+                               str(bundle), "--no-check", "-q", "--precision", args.precision],
+                              work / f"export-{gguf.stem}.log")
         row["quantize"] = timed([str(TOOL), "quantize", str(bundle), "--graphs", "verifier,draft", "--bits", "4",
                                  "--agreement-prompts", "0"], work / f"quantize-{gguf.stem}.log")
+        for step in ("export", "quantize"):
+            if row[step]["returncode"]:
+                raise SystemExit(f"{step} failed: {row[step]['tail']}")
         row["target_cache_bytes"] = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     manifest = json.loads((bundle / "manifest.json").read_text())
     blocks = manifest["quantized"]["verifier"].get("gguf_blocks", {})
@@ -106,7 +111,9 @@ def main() -> None:
     ap.add_argument("--llama", required=True, type=Path, help="llama.cpp sources (convert_hf_to_gguf.py, gguf-py)")
     ap.add_argument("--work", default="/tmp/dspark-gguf-kquants", type=Path)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=3, help="tokens/s passes against llama.cpp (0: tokens only)")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"],
+                    help="the bundle's stored precision before quantizing (fp32 is 4x a 4-bit file: 18 GB at 4B)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gguf_kquants.json"))
     args = ap.parse_args()
     from dspark.models.target import load_target

@@ -50,15 +50,27 @@ def weights_mode(folder: Path, manifest: Manifest, weights: str | None = "auto")
     now; mapped otherwise (a Qwen3-4B bf16 pair: 9.3 GB stored, 18.5 GB as fp32, on a 24 GB machine)."""
     if weights not in (None, "auto"):
         return _known_mode(weights, WEIGHT_MODES)
-    widened = 0
-    for p in folder.iterdir():
-        if p.is_file() and p.name.endswith(".data"):  # the export's weights widen; a quantized or fused graph's own
-            # file holds MatMulNBits blocks, which do not (a Qwen3-8B-shaped 4-bit bundle: 11.9 GB counted twice
-            # made auto pick "mapped", whose unpacked MatMulNBits ran an AR step in 36 s instead of 0.84)
-            factor = 4 // PRECISION_BYTES.get(manifest.precision, 4) if p.name == WEIGHTS else 1
-            widened += p.stat().st_size * factor
     available = _available_memory()
-    return "packed" if available is None or widened <= FIT_SHARE * available else "mapped"
+    return "packed" if available is None or packed_bytes(folder, manifest) <= FIT_SHARE * available else "mapped"
+
+
+def packed_bytes(folder: Path, manifest: Manifest) -> int:
+    """What the packed sessions hold: the export's weights.data widened to fp32, every other data file (a quantized
+    or fused graph's MatMulNBits blocks, which do not widen) once. A fused verifier's own file holds the portable
+    verifier's q/k/v and gate/up blocks concatenated; when it takes every step (its activations are quantized, so
+    several requests run one by one on it) the portable session is never made, and those blocks count once.
+    (Counting blocks twice made auto map a Qwen3-8B-shaped 4-bit bundle, whose unpacked MatMulNBits then ran an AR
+    step in 36 s instead of 0.8.)"""
+    skip = set()
+    fused = manifest.graphs.get("verifier_fused")
+    if fused is not None and manifest.quantized_activations("verifier"):
+        skip.add(Path(fused.file).name + ".data")
+    total = 0
+    for p in folder.iterdir():
+        if p.is_file() and p.name.endswith(".data") and p.name not in skip:
+            factor = 4 // PRECISION_BYTES.get(manifest.precision, 4) if p.name == WEIGHTS else 1
+            total += p.stat().st_size * factor
+    return total
 
 
 def _known_mode(weights: str, allowed: tuple[str, ...]) -> str:

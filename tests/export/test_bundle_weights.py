@@ -243,15 +243,26 @@ def test_weight_store_drops_queued_writes_when_the_export_fails(tmp_path):
 
 def test_auto_weights_mode_does_not_widen_quantized_blocks(tmp_path, monkeypatch):
     """Only the export's weights.data widens to fp32; a quantized graph's own data (MatMulNBits blocks) is
-    counted once, so a 4-bit bundle that fits packed is not mapped (unpacked MatMulNBits runs ~40x slower)."""
+    counted once, so a 4-bit bundle that fits packed is not mapped (unpacked MatMulNBits runs ~40x slower); a
+    fused verifier's concatenated blocks count only when the portable verifier may be loaded beside it."""
     from types import SimpleNamespace
 
     from dspark.runtime import ort_backend
 
     (tmp_path / "weights.data").write_bytes(b"\0" * 1000)
     (tmp_path / "verifier.onnx.data").write_bytes(b"\0" * 6000)
-    manifest = SimpleNamespace(precision="bf16")
+    manifest = SimpleNamespace(precision="bf16", graphs={}, quantized_activations=lambda graph: False)
     monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
     assert ort_backend.weights_mode(tmp_path, manifest) == "packed"  # 2 x 1000 + 6000 fits
     monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) - 10)
     assert ort_backend.weights_mode(tmp_path, manifest) == "mapped"
+
+    # a fused verifier's concatenated blocks: counted beside the portable verifier's when a step of several
+    # requests may load the portable session too, once when the fused graph takes every step
+    (tmp_path / "verifier_fused.onnx.data").write_bytes(b"\0" * 3000)
+    manifest.graphs = {"verifier_fused": SimpleNamespace(file="verifier_fused.onnx")}
+    assert ort_backend.packed_bytes(tmp_path, manifest) == 11000
+    manifest.quantized_activations = lambda graph: graph == "verifier"
+    assert ort_backend.packed_bytes(tmp_path, manifest) == 8000
+    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
+    assert ort_backend.weights_mode(tmp_path, manifest) == "packed"
