@@ -23,6 +23,8 @@ class LlamaCpp:
         import llama_cpp as L
 
         self.L = L
+        self._quiet = L.llama_log_callback(lambda level, text, user_data: None)  # kept: C holds the pointer
+        L.llama_log_set(self._quiet, ctypes.c_void_p(0))  # llama.cpp's load log runs to thousands of lines
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(gguf).encode(), mparams)

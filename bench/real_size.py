@@ -44,7 +44,7 @@ def decode(folder: Path, max_new: int) -> dict:
     from cpu_decode import decode_one
     from dspark.runtime import Runtime
 
-    with Runtime(folder) as rt:
+    with Runtime(folder, weights="packed") as rt:  # auto may map after the step sessions left memory in use
         ids = [rt.encode(p) for p in PROMPTS]
         ar = [decode_one(rt, p, max_new, ar=True) for p in ids]
         ds = [decode_one(rt, p, max_new, policy="all") for p in ids]
@@ -62,7 +62,7 @@ def batch_fit(folder: Path, batch: int, context: int, max_new: int) -> dict:
     from dspark.runtime import DecodeOptions, Runtime
     from dspark.runtime.decoder import Decoder
 
-    with Runtime(folder) as rt:
+    with Runtime(folder, weights="packed") as rt:  # auto may map after the step sessions left memory in use
         ids = [rt.encode(p) for p in (PROMPTS * batch)[:batch]]
         context = min(context, rt.manifest.max_context)  # (the bundle's own limit, recorded below)
         dec = Decoder(rt.backend, rt.manifest, ids, DecodeOptions(max_new_tokens=max_new, policy="ar",
@@ -90,7 +90,7 @@ def versus_llama_cpp(folder: Path, gguf: Path, batches: list[int], positions: li
 
     rates: dict[str, list[float]] = {}
     agree = []
-    with Runtime(folder) as rt:
+    with Runtime(folder, weights="packed") as rt:  # auto may map after the step sessions left memory in use
         ids = [rt.encode(p) for p in PROMPTS + PROMPTS[:1]]
         llama = LlamaCpp(gguf, max(batches), 512)
         try:
