@@ -96,3 +96,25 @@ class LlamaCpp:
                 times[k].append(1e3 * (time.perf_counter() - t0))
                 L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), 0, past, -1)
         return {k: round(statistics.median(v), 2) for k, v in times.items()}
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="llama.cpp's cost of one step of k positions of a GGUF model (ms)")
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--past", type=int, default=200, help="positions already in the cache")
+    ap.add_argument("--positions", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    llama = LlamaCpp(args.gguf, 1, args.past + 64)
+    try:
+        steps = llama.step_ms([1, 2, 3, 4], args.past, [int(k) for k in args.positions.split(",")], args.reps)
+    finally:
+        llama.close()
+    print(json.dumps(steps))
+
+
+if __name__ == "__main__":
+    main()
