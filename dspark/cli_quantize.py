@@ -30,9 +30,11 @@ import click
 @click.option("--min-elements", type=click.IntRange(0),
               help="Only MatMuls whose weight has at least this many elements (default 65536; heads 1048576).")
 @click.option("--agreement-prompts", default=6, show_default=True, type=click.IntRange(0),
-              help="Prompts for the verifier's top-1 agreement with fp32 (0: skip).")
+              help="Prompts for the verifier's top-1 agreement with fp32 (0: skip). One verifier is loaded at a "
+                   "time, a reference too big to widen with its weights mapped.")
 @click.option("--agreement-tokens", default=32, show_default=True, type=click.IntRange(1),
-              help="Greedy fp32 tokens per prompt the agreement is measured on.")
+              help="Greedy tokens per prompt the agreement is measured on (the reference's, or the quantized "
+                   "bundle's when the reference runs mapped).")
 @click.option("--prompts", "prompt_file", type=click.Path(path_type=Path),
               help="JSONL prompts for the agreement (default: the dev prompts, else the demo set).")
 def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accuracy_level, head_accuracy_level,
@@ -69,6 +71,7 @@ def fuse_cmd(bundle, rebuild):
     keep the portable graphs."""
     from dspark.bundle import Manifest
     from dspark.export.ort_graphs import fuse_bundle, possible_twins
+    from dspark.runtime.fused_verifier import lane_count
 
     manifest = Manifest.read(bundle)
     had_sps = "sps_table" in manifest.calibration
@@ -79,8 +82,11 @@ def fuse_cmd(bundle, rebuild):
     for name, why in done.items():
         click.echo(f"{bundle}: {'wrote ' + files[name] if why is None else why}")
     if "verifier_fused" in done and done["verifier_fused"] is None:
-        click.echo("ONNX Runtime only: the portable verifier stays for TensorRT and for multi-position steps of "
-                   "several requests")
+        fused = Manifest.read(bundle).graphs["verifier_fused"]
+        lanes = lane_count([t.name for t in fused.inputs])
+        click.echo("ONNX Runtime only: the portable verifier stays for TensorRT" +
+                   (f"; steps of up to {lanes} requests run fused" if lanes > 1 else
+                    " and for multi-position steps of several requests"))
         if had_sps:
             click.echo(f"the SPS table timed the verifier steps before this one and is dropped: run "
                        f"`dspark calibrate --sps {bundle}`")

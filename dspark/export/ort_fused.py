@@ -11,8 +11,10 @@ weight or node carries, so the fused graph uses the same weights, at the same of
 embedding lookup and everything after the final norm (LM head, in-graph acceptance) are copied unchanged.
 
 ONNX Runtime's CPU GroupQueryAttention takes several positions per request only at batch 1 (or with an empty
-past), so the runtime uses this graph for batch-1 steps, one-position steps and prefills, and the portable verifier
-for multi-position steps of several requests (dspark.runtime.fused_verifier.FusedVerifier).
+past), so the graph runs each request's attention on its own, in lanes (dspark.export.fused_lanes): every other
+kernel takes all the step's rows at once. A graph built with one lane (as before lanes existed) runs batch-1 steps,
+one-position steps and prefills, and the runtime takes the portable verifier for the rest
+(dspark.runtime.fused_verifier.FusedVerifier).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from onnx import TensorProto, helper
 
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
+from dspark.export.fused_lanes import Lanes, lane_inputs
 from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
 from dspark.export.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.export.graphs import past_names
@@ -34,6 +37,7 @@ from dspark.files import normal_mode
 MS = "com.microsoft"
 SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
 TAIL_OUTPUTS = ("accepted", "next_token")
+LANES = 8  # requests a fused step takes at once (more run in groups of LANES)
 
 
 def _norm_parts(g: GraphIndex, value: str) -> tuple[str, str] | None:
@@ -128,16 +132,17 @@ def _layer_norm_gamma(g: GraphIndex, lin: Linear) -> str:
     return parts[0]
 
 
-def fuse_verifier(model: onnx.ModelProto, target: dict, tap_ids: list[int], folder: Path | None = None
-                  ) -> onnx.ModelProto:
+def fuse_verifier(model: onnx.ModelProto, target: dict, tap_ids: list[int], folder: Path | None = None,
+                  lanes: int = LANES) -> onnx.ModelProto:
     """The fused twin of a portable verifier (a skeleton whose external data lives in `folder`): it refers to the
     portable graph's weights where it multiplies by them as they are, and holds new initializers only for
-    concatenated MatMulNBits projections."""
-    return _FusedVerifier(model, target, folder).build(tap_ids)
+    concatenated MatMulNBits projections. lanes: requests whose attention a step runs one by one (1: the graph
+    before lanes, batch-1 and one-position steps only)."""
+    return _FusedVerifier(model, target, folder, lanes).build(tap_ids)
 
 
 class _FusedVerifier:
-    def __init__(self, model: onnx.ModelProto, target: dict, folder: Path | None):
+    def __init__(self, model: onnx.ModelProto, target: dict, folder: Path | None, lanes: int):
         self.model, self.g = model, GraphIndex(model)
         self.layers, self.kv_heads, self.hd = target["num_layers"], target["num_kv_heads"], target["head_dim"]
         if unfusable(target):
@@ -153,6 +158,10 @@ class _FusedVerifier:
         self.b = GraphBuilder(self.g)
         self.rows = _PadToTwo(self.b)
         self.proj = Projections(self.b, self.linears, folder)
+        self.lane_count = lanes
+        heads = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
+                 "scale": float(self.hd) ** -0.5}
+        self.lanes = Lanes(self.b, lanes, self.rows.positions, heads) if lanes > 1 else None
 
     def build(self, tap_ids: list[int]) -> onnx.ModelProto:
         b = self.b
@@ -175,12 +184,15 @@ class _FusedVerifier:
         b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
               **({"axis": -1} if len(tap_values) > 1 else {}))
         presents = [f"present.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
-        return _model(self.model, b, presents, self.hd, self.kv_heads)
+        lane_past, lane_present = lane_inputs(self.lane_count, self.layers, self.kv_heads, self.hd)
+        return _model(self.model, b, presents, self.hd, self.kv_heads, lane_past, lane_present)
 
     def _lengths_and_rope(self) -> tuple[str, str, str, str]:
         """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it, all
         counting the padding row (_PadToTwo)."""
         b, rows = self.b, self.rows
+        if self.lanes is not None:
+            return self.lanes.lengths_and_rope(_weight(b, _inv_freq(self.g)))
         s_len = rows.positions
         one = b.const(np.array([1], np.int64), "one")
         past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
@@ -210,23 +222,30 @@ class _FusedVerifier:
         layer_input = residual
         qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
         if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
-            q, k, v = self.rows.padded(qkv), "", ""
+            q, k, v = qkv, "", ""
         else:
             q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
             if self.qk_norm:
                 q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
-            q, k, v = (self.rows.padded(t) for t in (q, k, v))
-        attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
-                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"],
-                     num_heads=self.linears[(i, "q_proj")].out_features // self.hd, kv_num_heads=self.kv_heads,
-                     do_rotary=1, rotary_interleaved=0, scale=float(self.hd) ** -0.5)[0]
-        attn = self.rows.cut(attn)
+        attn = self._attention(i, q, k, v)
         o, = proj(i, ("o_proj",), attn)
         gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
         h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS, epsilon=eps)
         gate, up = proj(i, ("gate_proj", "up_proj"), h2)
         act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
         return layer_input, residual, proj(i, ("down_proj",), act)[0]
+
+    def _attention(self, i: int, q: str, k: str, v: str) -> str:
+        """Layer i's attention of q/k/v [batch, positions, *] (k and v empty when q packs the three)."""
+        if self.lanes is not None:
+            return self.lanes.attention(i, q, k, v)
+        b = self.b
+        q, k, v = (self.rows.padded(t) if t else "" for t in (q, k, v))
+        attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
+                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"],
+                     num_heads=self.linears[(i, "q_proj")].out_features // self.hd, kv_num_heads=self.kv_heads,
+                     do_rotary=1, rotary_interleaved=0, scale=float(self.hd) ** -0.5)[0]
+        return self.rows.cut(attn)
 
     def _head_norm(self, v: str, i: int, role: str) -> str:
         """Qwen3's per-head RMSNorm of q and k."""
@@ -281,12 +300,13 @@ class _PadToTwo:
         return self.b.add("Slice", [value, self.zero, self.positions, self.one])[0]
 
 
-def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int) -> onnx.ModelProto:
+def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int, lane_past: list,
+           lane_present: list) -> onnx.ModelProto:
     outputs = {o.name: o for o in old.graph.output}
     new_outputs = [outputs[name] for name in (*TAIL_OUTPUTS, "taps")]
     for name in presents:
         new_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", kv_heads, "present", hd]))
-    graph = helper.make_graph(b.nodes, "verifier_fused", list(old.graph.input), new_outputs,
+    graph = helper.make_graph(b.nodes, "verifier_fused", [*old.graph.input, *lane_past], new_outputs + lane_present,
                               initializer=list(b.inits.values()))
     opsets = {o.domain: o.version for o in old.opset_import}
     opsets[MS] = 1
@@ -295,25 +315,50 @@ def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, 
     return model
 
 
-def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int) -> GraphSpec:
-    """The manifest entry: the portable verifier's inputs; its outputs but the caches' present.* for new_kv."""
+LANES_FROM_BYTES = 512 * 2**20
+
+
+def default_lanes(manifest: Manifest, portable: onnx.ModelProto) -> int:
+    """LANES for a verifier whose activations are quantized and whose MatMulNBits blocks reach LANES_FROM_BYTES,
+    else 1. With int8 activations each request's attention must run on its own (_PadToTwo): without lanes, one
+    step per request, each reading all the weights. But the lanes' Ifs cost a batch-1 step about as much as a
+    small model's whole attention (bench/fused_lanes.py: SmolLM2 slower at batch 1, Qwen3-4B not measurably), and
+    with fp32 activations the graph without lanes already runs one-position steps of several requests at once."""
+    if not manifest.quantized_activations("verifier"):
+        return 1
+    blocks = {n.input[1] for n in portable.graph.node if n.op_type == "MatMulNBits"}
+    size = sum(int(e.value) for t in portable.graph.initializer if t.name in blocks
+               for e in t.external_data if e.key == "length")
+    return LANES if size >= LANES_FROM_BYTES else 1
+
+
+def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int, lanes: int = 1) -> GraphSpec:
+    """The manifest entry: the portable verifier's inputs and lanes 1..'s caches; its outputs but the caches'
+    present.* (and the lanes') for new_kv."""
     outputs = [t for t in portable.outputs if t.name != "new_kv"]
     outputs += [TensorSpec(name.replace("past", "present", 1), "float32", ["batch", kv_heads, "present", hd])
                 for name in past_names("past", layers)]
-    return GraphSpec(file=file, inputs=list(portable.inputs), outputs=outputs)
+    lane_past, lane_present = lane_inputs(lanes, layers, kv_heads, hd)
+    as_specs = [[TensorSpec(v.name, "float32", [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim])
+                 for v in infos] for infos in (lane_past, lane_present)]
+    return GraphSpec(file=file, inputs=list(portable.inputs) + as_specs[0], outputs=outputs + as_specs[1])
 
 
 FUSED_FILE = "verifier_fused.onnx"
 
 
-def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:
+def add_fused_verifier(folder: Path, manifest: Manifest, lanes: int | None = None) -> GraphSpec:
     """Write the fused twin of folder's verifier next to it (sharing its data files) and enter it in `manifest`
-    (the caller writes the manifest). The verifier is read as a skeleton: no weight is loaded."""
+    (the caller writes the manifest). The verifier is read as a skeleton: no weight is loaded.
+
+    lanes: default_lanes()."""
     spec = manifest.graphs["verifier"]
     path = Manifest.path(folder, spec.file)
     portable = load_skeleton(path)
+    if lanes is None:
+        lanes = default_lanes(manifest, portable)
     t = manifest.target
-    model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent)
+    model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent, lanes)
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
         (folder / name).unlink(missing_ok=True)  # may be a hard link into another copy of the bundle
     onnx.save(model, str(folder / FUSED_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -321,7 +366,7 @@ def add_fused_verifier(folder: Path, manifest: Manifest) -> GraphSpec:
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
         if (folder / name).exists():
             normal_mode(folder / name)
-    fused = fused_spec(spec, FUSED_FILE, t["num_layers"], t["num_kv_heads"], t["head_dim"])
+    fused = fused_spec(spec, FUSED_FILE, t["num_layers"], t["num_kv_heads"], t["head_dim"], lanes)
     fused.sha256 = sha256_file(folder / FUSED_FILE)
     manifest.graphs["verifier_fused"] = fused
     return fused

@@ -261,9 +261,9 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
             if opts.agreement_prompts:
                 records["verifier"]["agreement"] = measure_agreement(
                     bundle, staging, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
+        manifest.quantized.update(records)  # (the fused twin's lanes follow the verifier's activations)
         rebuild_twins(staging, manifest, graphs)  # the old ones multiply by the old weights
         _drop_unread_weights(staging, manifest)
-        manifest.quantized.update(records)
         manifest.write(staging)
     return records
 
@@ -297,8 +297,8 @@ def relevel_bundle(bundle: Path, manifest: Manifest, graphs: list[str], opts: Qu
             records[graph] = record
         if "verifier" in graphs:
             forget_step_costs(manifest)
-        rebuild_twins(staging, manifest, graphs)
         manifest.quantized.update(records)
+        rebuild_twins(staging, manifest, graphs)
         manifest.write(staging)
     return records
 

@@ -12,7 +12,21 @@ from dspark.runtime.kv import IN_CACHE
 class Graph(Protocol):
     outputs: list[str]
 
-    def run(self, feeds: dict, into: dict[str, np.ndarray] | None = None) -> dict: ...
+    def run(self, feeds: dict, into: dict[str, np.ndarray] | None = None, fetch: list[str] | None = None,
+            binding=None) -> dict: ...
+
+    def binding(self, feeds: dict): ...
+
+
+def lane_name(lane: int, name: str) -> str:
+    """A fused graph's cache input or output for the request in `lane` (dspark.export.fused_lanes): lane 0 uses
+    the portable verifier's names."""
+    return name if lane == 0 else f"lane{lane}.{name}"
+
+
+def lane_count(inputs: list[str]) -> int:
+    """Requests a fused graph with these inputs takes in one step (1: a graph built before lanes)."""
+    return 1 + sum(1 for name in inputs if name.startswith("lane") and name.endswith(".past.0.key"))
 
 
 class FusedVerifier:
@@ -23,6 +37,10 @@ class FusedVerifier:
     - one request, or one position per request: the fused graph writes the new K/V straight into the cache
       (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
     - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
+
+    A fused graph with lanes (dspark.export.fused_lanes) takes every step of up to `lanes` requests itself, each
+    request's cache bound in place to its lane (more requests run in groups); the rules above and below are for a
+    graph built before lanes.
 
     With `alone` (a verifier whose activations are quantized), a step of several requests runs as one fused step
     per request instead: the fused graph computes a batch-1 step's rows as in a step of two or more positions
@@ -39,6 +57,8 @@ class FusedVerifier:
         self.caches = [(f"past.{i}.{kind}", f"present.{i}.{kind}") for i in range(self.layers)
                        for kind in ("key", "value")]
         self.steps = {"prefill": 0, "fused": 0, "portable": 0}
+        self.lanes = lane_count(fused.inputs)
+        self._idle: dict[tuple[int, ...], tuple] = {}  # (dummy cache, binding), see _idle_lanes
 
     @property
     def portable(self) -> Graph:
@@ -48,8 +68,10 @@ class FusedVerifier:
 
     def run(self, feeds: dict) -> dict:
         batch, positions = feeds["tokens"].shape
+        if self.lanes > 1:
+            return self._in_groups(feeds, batch, self.lanes) if batch > self.lanes else self._lanes_step(feeds, batch)
         if self.alone and batch > 1:
-            return self._each_request(feeds, batch)
+            return self._in_groups(feeds, batch, 1)
         if not np.any(feeds["past_mask"]):
             self.steps["prefill"] += 1
             return self._prefill(feeds, feeds[self.caches[0][0]], batch)
@@ -72,8 +94,53 @@ class FusedVerifier:
             out["new_kv"] = _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))
         return out
 
-    def _each_request(self, feeds: dict, batch: int) -> dict:
-        outs = [self.run({name: value[b:b + 1] for name, value in feeds.items()}) for b in range(batch)]
+    def _lanes_step(self, feeds: dict, batch: int) -> dict:
+        """A step of up to `lanes` requests: request b's cache is bound to lane b, in place when it can be."""
+        prefill = not np.any(feeds["past_mask"])
+        if prefill:
+            feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64)}
+        caches = {past: feeds[past] for past, _ in self.caches}
+        in_place = prefill or all(_writable(a) for a in caches.values())
+        if not in_place:  # (a comparison's arrays) a copy takes the new K/V, returned as arrays
+            caches = {past: np.array(a, dtype=np.float32, order="C") for past, a in caches.items()}
+        lane_feeds, into, fetch = dict(feeds), {}, ["accepted", "next_token", "taps"]
+        for past, present in self.caches:
+            cache = caches[past]
+            for lane in range(batch):
+                name = lane_name(lane, past)
+                if prefill:
+                    lane_feeds[name] = np.zeros((1, cache.shape[1], 0, cache.shape[3]), dtype=np.float32)
+                    fetch.append(lane_name(lane, present))
+                else:
+                    lane_feeds[name] = into[lane_name(lane, present)] = cache[lane:lane + 1]
+        out = self.fused.run(lane_feeds, into, fetch, self._idle_lanes(batch, caches[self.caches[0][0]].shape))
+        self.steps["prefill" if prefill else "fused"] += 1
+        result = {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"]}
+        positions = feeds["tokens"].shape[1]
+        if prefill:  # present.* hold the lane's padding row last
+            new = [np.concatenate([out[lane_name(lane, present)].numpy()[:, :, :positions] for lane in range(batch)])
+                   for _, present in self.caches]
+        elif in_place:
+            return {**result, "new_kv": IN_CACHE}
+        else:
+            lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
+            new = [np.stack([caches[past][b, :, n:n + positions] for b, n in enumerate(lengths)])
+                   for past, _ in self.caches]
+        new_kv = np.array(new).reshape(self.layers, 2, *new[0].shape)
+        return {**result, "new_kv": _HostArray(new_kv)}
+
+    def _idle_lanes(self, batch: int, shape: tuple[int, ...]):
+        """A binding of the fused graph with the lanes past `batch` bound to one dummy cache (their attention does
+        not run), made once per batch size: the step binds the rest."""
+        key = (batch, shape[1], shape[3])
+        if key not in self._idle:
+            dummy = np.zeros((1, shape[1], 1, shape[3]), dtype=np.float32)
+            self._idle[key] = (dummy, self.fused.binding({lane_name(lane, past): dummy for past, _ in self.caches
+                                                          for lane in range(batch, self.lanes)}))
+        return self._idle[key][1]
+
+    def _in_groups(self, feeds: dict, batch: int, size: int) -> dict:
+        outs = [self.run({name: value[b:b + size] for name, value in feeds.items()}) for b in range(0, batch, size)]
         merged = {name: _HostArray(np.concatenate([o[name].numpy() for o in outs]))
                   for name in ("accepted", "next_token", "taps")}
         if all(o["new_kv"] is IN_CACHE for o in outs):

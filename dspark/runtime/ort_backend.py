@@ -11,7 +11,7 @@ import onnxruntime as ort
 from dspark.bundle import WEIGHTS, GraphSpec, Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend
-from dspark.runtime.fused_verifier import FusedVerifier
+from dspark.runtime.fused_verifier import FusedVerifier, lane_count
 from dspark.runtime.kv import HostKV, HostRows
 
 
@@ -57,13 +57,15 @@ def weights_mode(folder: Path, manifest: Manifest, weights: str | None = "auto")
 def packed_bytes(folder: Path, manifest: Manifest) -> int:
     """What the packed sessions hold: the export's weights.data widened to fp32, every other data file (a quantized
     or fused graph's MatMulNBits blocks, which do not widen) once. A fused verifier's own file holds the portable
-    verifier's q/k/v and gate/up blocks concatenated; when it takes every step (its activations are quantized, so
-    several requests run one by one on it) the portable session is never made, and those blocks count once.
+    verifier's q/k/v and gate/up blocks concatenated; when it takes every step (it has lanes, or its activations
+    are quantized, so several requests run one by one on it) the portable session is never made, and those blocks
+    count once.
     (Counting blocks twice made auto map a Qwen3-8B-shaped 4-bit bundle, whose unpacked MatMulNBits then ran an AR
     step in 36 s instead of 0.8.)"""
     skip = set()
     fused = manifest.graphs.get("verifier_fused")
-    if fused is not None and manifest.quantized_activations("verifier"):
+    if fused is not None and (manifest.quantized_activations("verifier")
+                              or lane_count([t.name for t in fused.inputs]) > 1):
         skip.add(Path(fused.file).name + ".data")
     total = 0
     for p in folder.iterdir():
@@ -115,23 +117,39 @@ class OrtGraph:
         self.outputs = want_out
         self.inputs = want_in
 
-    def run(self, feeds: dict[str, np.ndarray | ort.OrtValue], into: dict[str, np.ndarray] | None = None
-            ) -> dict[str, ort.OrtValue]:
-        """`into`: outputs written into these arrays (same shape, C-contiguous) instead of new memory."""
-        binding = self.session.io_binding()
-        for k, v in feeds.items():
-            if isinstance(v, ort.OrtValue):
-                binding.bind_ortvalue_input(k, v)
-            else:
-                binding.bind_cpu_input(k, v)  # backed by the numpy buffer: no copy
-        for k in self.outputs:
-            if into and k in into:
+    def binding(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> ort.IOBinding:
+        """A binding with these inputs bound; run(binding=) binds the rest (and rebinds what it is given)."""
+        return _bind_inputs(self.session.io_binding(), feeds)
+
+    def run(self, feeds: dict[str, np.ndarray | ort.OrtValue], into: dict[str, np.ndarray] | None = None,
+            fetch: list[str] | None = None, binding: ort.IOBinding | None = None) -> dict[str, ort.OrtValue]:
+        """`into`: outputs written into these arrays (same shape, C-contiguous) instead of new memory; `fetch`:
+        the other outputs wanted (default: all); `binding`: one from binding(), whose inputs stay bound (inputs
+        that never change: binding hundreds of them costs ~2 us each per step)."""
+        if binding is None:
+            binding = self.binding(feeds)
+        else:
+            binding.clear_binding_outputs()
+            _bind_inputs(binding, feeds)
+        into = into or {}
+        names = self.outputs if fetch is None else [*fetch, *(k for k in into if k not in fetch)]
+        for k in names:
+            if k in into:
                 a = into[k]
                 binding.bind_output(k, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
             else:
                 binding.bind_output(k, "cpu")
         self.session.run_with_iobinding(binding)
-        return dict(zip(self.outputs, binding.get_outputs()))
+        return dict(zip(names, binding.get_outputs()))
+
+
+def _bind_inputs(binding: ort.IOBinding, feeds: dict[str, np.ndarray | ort.OrtValue]) -> ort.IOBinding:
+    for k, v in feeds.items():
+        if isinstance(v, ort.OrtValue):
+            binding.bind_ortvalue_input(k, v)
+        else:
+            binding.bind_cpu_input(k, v)  # backed by the numpy buffer: no copy
+    return binding
 
 
 class OrtBackend(Backend):
@@ -155,7 +173,8 @@ class OrtBackend(Backend):
             fused = OrtGraph(folder, "verifier_fused", manifest.graphs["verifier_fused"], opts)
             want = [f"present.{i}.{kind}" for i in range(manifest.target["num_layers"]) for kind in ("key", "value")]
             takes = [t.name for t in manifest.graphs["verifier"].inputs]
-            if [o for o in fused.outputs if o.startswith("present.")] != want or fused.inputs != takes:
+            if ([o for o in fused.outputs if o.startswith("present.")] != want
+                    or [i for i in fused.inputs if not i.startswith("lane")] != takes):
                 raise DSparkError(f"{manifest.graphs['verifier_fused'].file} is not a fused verifier of this bundle "
                                   f"(it must take the verifier's inputs and write present.* for every layer); "
                                   f"rebuild it with `dspark-export fuse {folder}`")
@@ -173,7 +192,8 @@ class OrtBackend(Backend):
                                   f"their outputs but draft_probs); rebuild it with `dspark-export fuse {folder}`")
 
     def prepare(self, max_batch: int) -> None:
-        if max_batch > 1 and isinstance(self.verifier, FusedVerifier) and not self.verifier.alone:
+        if max_batch > 1 and isinstance(self.verifier, FusedVerifier) and not self.verifier.alone \
+                and self.verifier.lanes == 1:
             self.verifier.portable  # multi-position steps of several requests run on it (0.8 s to load, fp32 SmolLM2)
 
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

@@ -260,8 +260,11 @@ def test_auto_weights_mode_does_not_widen_quantized_blocks(tmp_path, monkeypatch
     # a fused verifier's concatenated blocks: counted beside the portable verifier's when a step of several
     # requests may load the portable session too, once when the fused graph takes every step
     (tmp_path / "verifier_fused.onnx.data").write_bytes(b"\0" * 3000)
-    manifest.graphs = {"verifier_fused": SimpleNamespace(file="verifier_fused.onnx")}
+    manifest.graphs = {"verifier_fused": SimpleNamespace(file="verifier_fused.onnx", inputs=[])}
     assert ort_backend.packed_bytes(tmp_path, manifest) == 11000
+    manifest.graphs["verifier_fused"].inputs = [SimpleNamespace(name=n) for n in ("tokens", "lane1.past.0.key")]
+    assert ort_backend.packed_bytes(tmp_path, manifest) == 8000  # with lanes it takes every step
+    manifest.graphs["verifier_fused"].inputs = []
     manifest.quantized_activations = lambda graph: graph == "verifier"
     assert ort_backend.packed_bytes(tmp_path, manifest) == 8000
     monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)

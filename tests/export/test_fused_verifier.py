@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.ort_fused import FUSED_FILE
+from dspark.export import ort_fused
+from dspark.export.ort_fused import FUSED_FILE, LANES, add_fused_verifier
 from dspark.export.ort_graphs import TWINS, fuse_bundle
 from dspark.export.quantize import QuantizeOptions, quantize_bundle
 from dspark.files import linked_copy
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.decoder import Decoder
-from dspark.runtime.fused_verifier import FusedVerifier
+from dspark.runtime.fused_verifier import FusedVerifier, lane_count
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph
 from support.tiny import tiny_bundle, twin_naming_its_source
 from test_bundle_tiny import prompts
@@ -40,19 +41,31 @@ def fused(request, tmp_path_factory):
     return bundle
 
 
-def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused):
-    man = Manifest.read(fused)
+def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused, laned):
+    """(fp32 activations: one lane by default; the lanes are checked on a copy built with them)"""
+    assert [t.name for t in Manifest.read(fused).graphs["verifier_fused"].inputs] == \
+        [t.name for t in Manifest.read(fused).graphs["verifier"].inputs]
+    man = Manifest.read(laned)
     spec = man.graphs["verifier_fused"]
-    assert spec.file == FUSED_FILE and spec.sha256 == sha256_file(fused / FUSED_FILE)
-    assert [t.name for t in spec.inputs] == [t.name for t in man.graphs["verifier"].inputs]
-    assert [t.name for t in spec.outputs][:3] == ["accepted", "next_token", "taps"]
-    assert sum(t.name.startswith("present.") for t in spec.outputs) == 2 * man.target["num_layers"]
-    model = onnx.load(str(fused / FUSED_FILE), load_external_data=False)
-    ops = Counter(n.op_type for n in model.graph.node)
+    assert spec.file == FUSED_FILE and spec.sha256 == sha256_file(laned / FUSED_FILE)
     layers = man.target["num_layers"]
+    takes = [t.name for t in man.graphs["verifier"].inputs]
+    lanes = [f"lane{r}.past.{i}.{kind}" for r in range(1, LANES) for i in range(layers) for kind in ("key", "value")]
+    assert [t.name for t in spec.inputs] == takes + lanes
+    assert [t.name for t in spec.outputs][:3] == ["accepted", "next_token", "taps"]
+    assert sum(t.name.startswith("present.") for t in spec.outputs) == 2 * layers
+    assert [t.name for t in spec.outputs][-len(lanes):] == [n.replace("past", "present") for n in lanes]
+    model = onnx.load(str(laned / FUSED_FILE), load_external_data=False)
+    ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
+    assert ops["If"] == layers  # lanes 1.. of a layer: nested Ifs, each running one more lane's attention
+    everywhere = Counter(n.op_type for n in _all_nodes(model.graph))
+    assert everywhere["If"] == layers * (LANES - 1) and everywhere["GroupQueryAttention"] == layers * LANES
     portable = onnx.load(str(fused / "verifier.onnx"), load_external_data=False)
-    assert len(model.graph.node) < len(portable.graph.node) / 2
+    single = onnx.load(str(fused / FUSED_FILE), load_external_data=False)
+    assert len(single.graph.node) < len(portable.graph.node) / 2
+    per_layer = (len(model.graph.node) - len(single.graph.node) - 16 * LANES) / layers  # (16 a lane's lengths)
+    assert per_layer <= 1 + 8  # one If (lanes 1.. nested in it), and lane 0's row slices and padding
     stored = {t.name for t in portable.graph.initializer if t.external_data}
     assert {t.name for t in model.graph.initializer if t.external_data} <= stored  # no weight is copied
     assert (fused / FUSED_FILE).stat().st_size < 200_000
@@ -73,10 +86,52 @@ def test_the_fused_verifier_decodes_the_portable_verifiers_tokens(fused, tempera
     assert rt.backend.verifier._portable is None  # never loaded: no second copy of the weights
 
 
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(a.g)
+
+
+def _with_lanes(fused: Path, folder: Path, lanes: int) -> Path:
+    linked_copy(fused, folder)
+    man = Manifest.read(folder)
+    add_fused_verifier(folder, man, lanes=lanes)
+    man.write(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def laned(fused, tmp_path_factory):
+    """The bundle with its fused graph built with lanes (the default for int8 activations only)."""
+    return _with_lanes(fused, tmp_path_factory.mktemp("laned") / "bundle", LANES)
+
+
+@pytest.mark.parametrize("lanes", [LANES, 2])
+def test_several_requests_take_fused_steps_in_lanes(fused, lanes, tmp_path):
+    """Every step of several requests, drafted rounds included, runs on the fused graph (in groups of `lanes`
+    when the batch has more requests), with the tokens of the portable verifier and of AR."""
+    folder = _with_lanes(fused, tmp_path / "bundle", lanes)
+    ps = prompts(5, seed=4)
+    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    rt = _runtime(folder, "auto")
+    assert rt.backend.verifier.lanes == lanes
+    batched = [r.token_ids for r in rt.generate(ps, options)]
+    steps = dict(rt.backend.verifier.steps)
+    assert steps["portable"] == 0 and steps["fused"] > 0
+    assert rt.backend.verifier._portable is None
+    assert batched == [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
+    assert batched == [r.token_ids for r in _runtime(fused, "portable").generate(ps, options)]
+
+
 def test_several_requests_fall_back_to_the_portable_graph_for_multi_position_steps(fused):
+    """A fused graph without lanes (fp32 activations): drafted rounds of several requests run on the portable
+    graph."""
     ps = prompts(5, seed=4)
     options = DecodeOptions(max_new_tokens=16, batch_size=3)
     rt = _runtime(fused, "auto")
+    assert rt.backend.verifier.lanes == 1
     batched = [r.token_ids for r in rt.generate(ps, options)]
     steps = dict(rt.backend.verifier.steps)
     assert steps["portable"] > 0 and steps["fused"] == 0  # drafted rounds of 3 requests: portable
@@ -243,17 +298,18 @@ def test_a_fused_graph_that_is_not_this_bundles_is_refused(fused, tmp_path):
 
 
 @pytest.mark.parametrize("slots", [1, 3])
-def test_a_serving_engine_loads_the_portable_verifier_before_it_is_ready(fused, slots):
-    """Multi-position steps of several requests run on the portable graph, loaded on first use (0.8 s for
-    SmolLM2 fp32): an engine with several slots loads it while warming up, so no request waits for it; a
-    one-slot engine never needs it."""
+@pytest.mark.parametrize("lanes", [1, LANES])
+def test_a_serving_engine_loads_the_portable_verifier_before_it_is_ready(fused, laned, slots, lanes):
+    """A fused graph without lanes runs multi-position steps of several requests on the portable graph,
+    loaded on first use (0.8 s for SmolLM2 fp32): an engine with several slots loads it while warming up, so no
+    request waits for it; a one-slot engine never needs it, nor does any engine on a graph with lanes."""
     from dspark.runtime.engine import Engine, EngineOptions
 
-    rt = _runtime(fused, "auto")
+    rt = _runtime(fused if lanes == 1 else laned, "auto")
     engine = Engine(rt, EngineOptions(batch_size=slots, policy="all")).start()
     try:
         engine.warm_up([3, 4, 5])
-        assert (rt.backend.verifier._portable is not None) == (slots > 1)
+        assert (rt.backend.verifier._portable is not None) == (slots > 1 and lanes == 1)
     finally:
         engine.close()
 
@@ -304,9 +360,14 @@ def test_a_step_that_fills_the_cache_leaves_out_the_padding_row(fused):
     assert np.allclose(cache[..., :len(prompt) + 1, :], roomy_cache[..., :len(prompt) + 1, :], atol=1e-5)
 
 
-def test_a_verifier_with_int8_activations_runs_several_requests_one_by_one(fused, tmp_path):
-    """int8 activations turn a rounding apart into different tokens, and only a batch-1 step computes every
-    position alike: several requests' steps run request by request, so each request gets its batch-1 tokens."""
+@pytest.mark.parametrize("big", [True, False])
+def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(fused, tmp_path, monkeypatch, big):
+    """int8 activations turn a rounding apart into different tokens, and only a batch-1 attention computes every
+    position alike: several requests' steps run each request's attention in its own lane (a verifier as big as
+    LANES_FROM_BYTES; a smaller one runs them one request at a time), so each request gets its batch-1 tokens, bit
+    for bit."""
+    if big:
+        monkeypatch.setattr(ort_fused, "LANES_FROM_BYTES", 0)
     q = tmp_path / "q"
     linked_copy(fused, q)
     quantize_bundle(q, ["verifier"], QuantizeOptions(bits=8, min_elements=0, agreement_prompts=0))
@@ -315,7 +376,7 @@ def test_a_verifier_with_int8_activations_runs_several_requests_one_by_one(fused
     ps = [[2]] + prompts(4, seed=4)  # a one-token prompt: prefilled alone on one row (plus its copy), or with others
     options = DecodeOptions(max_new_tokens=16, batch_size=3)
     rt = _runtime(q, "auto")
-    assert rt.backend.verifier.alone
+    assert rt.backend.verifier.alone and rt.backend.verifier.lanes == (LANES if big else 1)
     rt.backend.prepare(3)
     assert rt.backend.verifier._portable is None  # never needed
     batched = [r.token_ids for r in rt.generate(ps, options)]
@@ -335,14 +396,17 @@ def test_a_verifier_with_int8_activations_runs_several_requests_one_by_one(fused
             assert np.array_equal(cache[:, :, b, :, :n], alone_cache[:, :, 0, :, :n])
 
 
-def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path):
+def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path, monkeypatch):
     """`quantize --accuracy-level` on a quantized verifier: only the graphs' levels change (the weights' data
-    files are the same files), the fused twin is rebuilt at the new level, and greedy DSpark still equals AR."""
+    files are the same files), the fused twin is rebuilt at the new level (with lanes for int8 activations), and
+    greedy DSpark still equals AR."""
+    monkeypatch.setattr(ort_fused, "LANES_FROM_BYTES", 0)  # (lanes for int8 activations whatever the size)
     q = tmp_path / "q"
     linked_copy(fused, q)
     quantize_bundle(q, ["verifier"], QuantizeOptions(bits=4, min_elements=0, accuracy_level=0, agreement_prompts=0))
     man = Manifest.read(q)
     assert not man.quantized_activations("verifier") and man.quantized["verifier"]["layer_accuracy_levels"] == [0]
+    assert lane_count([t.name for t in man.graphs["verifier_fused"].inputs]) == 1  # fp32 activations: no lanes
     data = q / f"{man.graphs['verifier'].file}.data"
     inode = data.stat().st_ino
     res = CliRunner().invoke(export_cli, ["quantize", str(q), "--graphs", "verifier"])
@@ -353,6 +417,7 @@ def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fus
     man = Manifest.read(q)
     assert man.quantized_activations("verifier") and "agreement" not in man.quantized["verifier"]
     assert data.stat().st_ino == inode  # the weights were not rewritten
+    assert lane_count([t.name for t in man.graphs["verifier_fused"].inputs]) == LANES
     for graph in ("verifier", "verifier_fused"):
         path = q / man.graphs[graph].file
         assert man.graphs[graph].sha256 == sha256_file(path)
