@@ -4,6 +4,11 @@ The fp32 bundle decodes a few prompts greedily (autoregressive, its own text); t
 prompt + continuation in one teacher-forced pass each, with the LM head's output (the logits) added as a graph
 output, and the argmax at every continuation position is compared. The graphs are read from their bundle folders
 as they are (external data resolved by ONNX Runtime from the folder), so no weight is copied for this.
+
+In bounded memory: one verifier is loaded at a time, and a reference whose weights would not fit widened to fp32
+(a Qwen3-4B bf16 verifier is 16 GB as fp32) is run with them mapped from its files, as `dspark run --weights
+mapped` does; the text is then the quantized bundle's own greedy continuation (decoding the mapped reference token
+by token would take seconds a token), which the record says (`text_from`).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from dspark.bundle import Manifest
 from dspark.export.nbits_graph import vocab_matmul_output
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
-from dspark.runtime.ort_backend import session_options
+from dspark.runtime.ort_backend import session_options, weights_mode
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Agreement:
     top1: float  # fraction of positions where both argmaxes agree
     first_difference: list[int | None]  # per prompt: the first continuation position that differs
     max_new_tokens: int
+    text_from: str = "reference"  # whose greedy continuation was scored: "reference" or "quantized"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,11 +49,12 @@ def spread(rows: list, count: int) -> list:
 class LogitsGraph:
     """A verifier graph of a bundle folder with its logits as an extra output, run teacher-forced at batch 1."""
 
-    def __init__(self, folder: Path, manifest: Manifest, logits: str, threads: int | None = None):
+    def __init__(self, folder: Path, manifest: Manifest, logits: str, threads: int | None = None,
+                 weights: str = "packed"):
         spec = manifest.graphs["verifier"]
         model = onnx.load(str(Manifest.path(folder, spec.file)), load_external_data=False)
         model.graph.output.append(onnx.helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, None))
-        options = session_options(threads)
+        options = session_options(threads, weights)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         self.output, self.manifest = logits, manifest
@@ -78,20 +85,26 @@ def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_ne
     manifest = Manifest.read(reference)
     logits = logits_name(reference)
     rows = spread(read_prompts(prompt_file or default_prompts_path()), prompts)
-    with Runtime(reference, threads=threads) as rt:
+    mode = weights_mode(reference, manifest)  # mapped: the reference's weights would not fit widened
+    text_from = reference if mode == "packed" else quantized
+    with Runtime(text_from, threads=threads) as rt:
         encoded = [rt.encode(r["prompt"]) for r in rows]
         room = manifest.max_context - max_new_tokens - 1
         encoded = [ids[-room:] for ids in encoded]
-        outs = rt.generate(encoded, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar"))
-    graphs = [LogitsGraph(folder, Manifest.read(folder), logits, threads) for folder in (reference, quantized)]
+        seqs = [ids + out.token_ids for ids, out in
+                zip(encoded, rt.generate(encoded, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar")))]
+    spans = [slice(len(ids) - 1, len(seq) - 1) for ids, seq in zip(encoded, seqs)]  # next token: a continuation's
+    top1 = []
+    for folder in (reference, quantized):  # one verifier in memory at a time
+        graph = LogitsGraph(folder, Manifest.read(folder), logits, threads, mode if folder == reference else "packed")
+        top1.append([graph.logits(seq)[span].argmax(-1) for seq, span in zip(seqs, spans)])
+        del graph
     agree = total = 0
     firsts: list[int | None] = []
-    for ids, out in zip(encoded, outs):
-        seq = ids + out.token_ids
-        span = slice(len(ids) - 1, len(seq) - 1)  # positions whose next token is a continuation token
-        want, got = (g.logits(seq)[span].argmax(-1) for g in graphs)
+    for want, got in zip(*top1):
         same = want == got
         agree += int(same.sum())
         total += len(same)
         firsts.append(int(np.argmin(same)) if not same.all() else None)
-    return Agreement(len(rows), total, agree / max(total, 1), firsts, max_new_tokens)
+    return Agreement(len(rows), total, agree / max(total, 1), firsts, max_new_tokens,
+                     "reference" if text_from == reference else "quantized")

@@ -169,3 +169,29 @@ def test_cli_prints_the_agreement_and_refuses_bad_requests(gguf_bundle, tmp_path
     with pytest.raises(DSparkError, match="not the GGUF"):
         gguf_source(Manifest.read(fp32), str(fp32 / "verifier.onnx"))
     assert gguf_source(Manifest.read(fp32), "off") is None
+
+
+def test_a_reference_too_big_to_pack_is_scored_mapped_one_verifier_at_a_time(gguf_bundle, monkeypatch):
+    """A reference whose weights would not fit widened to fp32 (Qwen3-4B bf16: 16 GB) is scored with its weights
+    mapped, on the quantized bundle's own greedy text, and never beside the quantized verifier."""
+    import weakref
+
+    from dspark.export import agreement
+
+    fp32, q, _ = gguf_bundle
+    live, modes = weakref.WeakSet(), {}
+
+    class Spy(LogitsGraph):
+        def __init__(self, folder, manifest, logits, threads=None, weights="packed"):
+            assert not list(live)  # the other verifier is gone
+            super().__init__(folder, manifest, logits, threads, weights)
+            live.add(self)
+            modes[Path(folder)] = weights
+
+    monkeypatch.setattr(agreement, "LogitsGraph", Spy)
+    packed = agreement.measure_agreement(fp32, q, prompts=3, max_new_tokens=8)
+    assert packed.text_from == "reference" and modes == {Path(fp32): "packed", Path(q): "packed"}
+    monkeypatch.setattr(agreement, "weights_mode", lambda folder, manifest: "mapped")
+    mapped = agreement.measure_agreement(fp32, q, prompts=3, max_new_tokens=8)
+    assert mapped.text_from == "quantized" and modes == {Path(fp32): "mapped", Path(q): "packed"}
+    assert mapped.positions == packed.positions == 24 and 0.5 <= mapped.top1 <= 1.0
