@@ -87,7 +87,9 @@ def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_ne
     rows = spread(read_prompts(prompt_file or default_prompts_path()), prompts)
     mode = weights_mode(reference, manifest)  # mapped: the reference's weights would not fit widened
     text_from = reference if mode == "packed" else quantized
-    with Runtime(text_from, threads=threads) as rt:
+    # (the quantized bundle packed: mapped, its MatMulNBits would run unpacked, seconds a token at 4B; and auto
+    # counts this process's freed memory, which its sessions reuse, as taken)
+    with Runtime(text_from, threads=threads, weights="packed") as rt:
         encoded = [rt.encode(r["prompt"]) for r in rows]
         room = manifest.max_context - max_new_tokens - 1
         encoded = [ids[-room:] for ids in encoded]

@@ -315,21 +315,13 @@ def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, 
     return model
 
 
-LANES_FROM_BYTES = 512 * 2**20
-
-
-def default_lanes(manifest: Manifest, portable: onnx.ModelProto) -> int:
-    """LANES for a verifier whose activations are quantized and whose MatMulNBits blocks reach LANES_FROM_BYTES,
-    else 1. With int8 activations each request's attention must run on its own (_PadToTwo): without lanes, one
-    step per request, each reading all the weights. But the lanes' Ifs cost a batch-1 step about as much as a
-    small model's whole attention (bench/fused_lanes.py: SmolLM2 slower at batch 1, Qwen3-4B not measurably), and
-    with fp32 activations the graph without lanes already runs one-position steps of several requests at once."""
-    if not manifest.quantized_activations("verifier"):
-        return 1
-    blocks = {n.input[1] for n in portable.graph.node if n.op_type == "MatMulNBits"}
-    size = sum(int(e.value) for t in portable.graph.initializer if t.name in blocks
-               for e in t.external_data if e.key == "length")
-    return LANES if size >= LANES_FROM_BYTES else 1
+def default_lanes(manifest: Manifest) -> int:
+    """LANES for a verifier whose activations are quantized, else 1. With int8 activations each request's
+    attention must run as in a batch-1 step (_PadToTwo): without lanes, one step per request, each reading all the
+    weights. With fp32 activations the graph without lanes already runs one-position steps of several requests in
+    one GroupQueryAttention, which lanes (one call per request, two rows each) would slow down
+    (bench/fused_lanes.py)."""
+    return LANES if manifest.quantized_activations("verifier") else 1
 
 
 def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int, lanes: int = 1) -> GraphSpec:
@@ -356,7 +348,7 @@ def add_fused_verifier(folder: Path, manifest: Manifest, lanes: int | None = Non
     path = Manifest.path(folder, spec.file)
     portable = load_skeleton(path)
     if lanes is None:
-        lanes = default_lanes(manifest, portable)
+        lanes = default_lanes(manifest)
     t = manifest.target
     model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent, lanes)
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):

@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export import ort_fused
 from dspark.export.ort_fused import FUSED_FILE, LANES, add_fused_verifier
 from dspark.export.ort_graphs import TWINS, fuse_bundle
 from dspark.export.quantize import QuantizeOptions, quantize_bundle
@@ -360,23 +359,23 @@ def test_a_step_that_fills_the_cache_leaves_out_the_padding_row(fused):
     assert np.allclose(cache[..., :len(prompt) + 1, :], roomy_cache[..., :len(prompt) + 1, :], atol=1e-5)
 
 
-@pytest.mark.parametrize("big", [True, False])
-def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(fused, tmp_path, monkeypatch, big):
+@pytest.mark.parametrize("lanes", [LANES, 1])
+def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(fused, tmp_path, lanes):
     """int8 activations turn a rounding apart into different tokens, and only a batch-1 attention computes every
-    position alike: several requests' steps run each request's attention in its own lane (a verifier as big as
-    LANES_FROM_BYTES; a smaller one runs them one request at a time), so each request gets its batch-1 tokens, bit
-    for bit."""
-    if big:
-        monkeypatch.setattr(ort_fused, "LANES_FROM_BYTES", 0)
+    position alike: several requests' steps run each request's attention in its own lane (a fused graph built
+    without lanes runs them one request at a time), so each request gets its batch-1 tokens, bit for bit."""
     q = tmp_path / "q"
     linked_copy(fused, q)
     quantize_bundle(q, ["verifier"], QuantizeOptions(bits=8, min_elements=0, agreement_prompts=0))
+    if lanes != LANES:
+        _with_lanes(q, q.with_name("one"), lanes)
+        q = q.with_name("one")
     man = Manifest.read(q)
     assert man.quantized_activations("verifier") and not Manifest.read(fused).quantized_activations("verifier")
     ps = [[2]] + prompts(4, seed=4)  # a one-token prompt: prefilled alone on one row (plus its copy), or with others
     options = DecodeOptions(max_new_tokens=16, batch_size=3)
     rt = _runtime(q, "auto")
-    assert rt.backend.verifier.alone and rt.backend.verifier.lanes == (LANES if big else 1)
+    assert rt.backend.verifier.alone and rt.backend.verifier.lanes == lanes
     rt.backend.prepare(3)
     assert rt.backend.verifier._portable is None  # never needed
     batched = [r.token_ids for r in rt.generate(ps, options)]
@@ -396,11 +395,10 @@ def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(
             assert np.array_equal(cache[:, :, b, :, :n], alone_cache[:, :, 0, :, :n])
 
 
-def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path, monkeypatch):
+def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path):
     """`quantize --accuracy-level` on a quantized verifier: only the graphs' levels change (the weights' data
     files are the same files), the fused twin is rebuilt at the new level (with lanes for int8 activations), and
     greedy DSpark still equals AR."""
-    monkeypatch.setattr(ort_fused, "LANES_FROM_BYTES", 0)  # (lanes for int8 activations whatever the size)
     q = tmp_path / "q"
     linked_copy(fused, q)
     quantize_bundle(q, ["verifier"], QuantizeOptions(bits=4, min_elements=0, accuracy_level=0, agreement_prompts=0))
