@@ -42,7 +42,7 @@ class Lanes:
     """Builds the per-request attention of the fused graph (see the module's docstring)."""
 
     def __init__(self, b: GraphBuilder, count: int, positions: str, heads: dict):
-        """positions: [1] the step's positions per request; heads: GroupQueryAttention's head attributes."""
+        """positions: [1] the step's positions per request; heads: GroupQueryAttention's attributes."""
         self.b, self.count, self.positions, self.heads = b, count, positions, heads
         self.ones = {"one": b.const(np.array([1], np.int64), "one"), "zero": b.const(np.array([0], np.int64), "zero")}
         for r in range(count + 1):
@@ -60,11 +60,7 @@ class Lanes:
         self.lengths = [_LaneLengths(b, r, lanes_len, self.positions, self.last, ones) for r in range(self.count)]
         self.active = [b.add("Squeeze", [b.add("Less", [ones[f"lane{r}"], batch])[0]])[0] for r in range(self.count)]
         end = b.add("Squeeze", [b.add("Add", [b.add("Add", [longest, self.positions])[0], ones["one"]])[0]])[0]
-        steps = b.add("Range", [b.const(np.array(0, np.int64), "zero_scalar"), end,
-                                b.const(np.array(1, np.int64), "step")])[0]
-        pos_f = b.add("Unsqueeze", [b.add("Cast", [steps], to=TensorProto.FLOAT)[0], ones["one"]])[0]
-        freqs = b.add("Mul", [pos_f, inv_freq])[0]
-        self.rope = b.add("Cos", [freqs])[0], b.add("Sin", [freqs])[0]
+        self.rope = rope_tables(b, end, inv_freq)
         return self.rope
 
     def attention(self, layer: int, q: str, k: str, v: str) -> str:
@@ -87,8 +83,7 @@ class Lanes:
                   if t else "" for t in rows]
         inputs = [*padded, lane_name(r, f"past.{layer}.key"), lane_name(r, f"past.{layer}.value"), lengths.seqlens,
                   lengths.total, *self.rope]
-        out = b.add("GroupQueryAttention", inputs, 3, MS, names=[b.name("attn"), *presents], do_rotary=1,
-                    rotary_interleaved=0, **self.heads)[0]
+        out = b.add("GroupQueryAttention", inputs, 3, MS, names=[b.name("attn"), *presents], **self.heads)[0]
         return b.add("Slice", [out, ones["zero"], self.positions, ones["one"]])[0]
 
     def _nested(self, r: int, layer: int, qkv: tuple[str, str, str], lane0: str, names: list[str]) -> str:
@@ -112,6 +107,15 @@ class Lanes:
                                        [_info(n) for n in (empty, *[idle] * len(inner))])
         b.add("If", [self.active[r]], names=names, then_branch=then_graph, else_branch=else_graph)
         return names[0]
+
+
+def rope_tables(b: GraphBuilder, end: str, inv_freq: str) -> tuple[str, str]:
+    """RoPE's cos and sin tables [end, head_dim / 2] for positions 0..end-1 (end: an int64 scalar)."""
+    steps = b.add("Range", [b.const(np.array(0, np.int64), "zero"), end, b.const(np.array(1, np.int64), "step")])[0]
+    pos_f = b.add("Unsqueeze", [b.add("Cast", [steps], to=TensorProto.FLOAT)[0],
+                                b.const(np.array([1], np.int64), "one")])[0]
+    freqs = b.add("Mul", [pos_f, inv_freq])[0]
+    return b.add("Cos", [freqs])[0], b.add("Sin", [freqs])[0]
 
 
 def lane_inputs(count: int, layers: int, kv_heads: int, hd: int) -> list:

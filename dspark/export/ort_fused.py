@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.fused_lanes import Lanes, lane_inputs
+from dspark.export.fused_lanes import Lanes, lane_inputs, rope_tables
 from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
 from dspark.export.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.export.graphs import past_names
@@ -159,9 +159,9 @@ class _FusedVerifier:
         self.rows = _PadToTwo(self.b)
         self.proj = Projections(self.b, self.linears, folder)
         self.lane_count = lanes
-        heads = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
-                 "scale": float(self.hd) ** -0.5}
-        self.lanes = Lanes(self.b, lanes, self.rows.positions, heads) if lanes > 1 else None
+        self.gqa = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
+                    "do_rotary": 1, "rotary_interleaved": 0, "scale": float(self.hd) ** -0.5}
+        self.lanes = Lanes(self.b, lanes, self.rows.positions, self.gqa) if lanes > 1 else None
 
     def build(self, tap_ids: list[int]) -> onnx.ModelProto:
         b = self.b
@@ -191,8 +191,9 @@ class _FusedVerifier:
         """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it, all
         counting the padding row (_PadToTwo)."""
         b, rows = self.b, self.rows
+        inv_freq = _weight(b, _inv_freq(self.g))
         if self.lanes is not None:
-            return self.lanes.lengths_and_rope(_weight(b, _inv_freq(self.g)))
+            return self.lanes.lengths_and_rope(inv_freq)
         s_len = rows.positions
         one = b.const(np.array([1], np.int64), "one")
         past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
@@ -202,12 +203,7 @@ class _FusedVerifier:
         last = b.add("Sub", [b.add("Add", [past_len, width])[0], one])[0]
         seqlens = b.add("Cast", [last], to=TensorProto.INT32)[0]
         total = b.add("Squeeze", [b.add("Add", [longest_past, width])[0]])[0]
-        positions = b.add("Range", [b.const(np.array(0, np.int64), "zero"), total,
-                                    b.const(np.array(1, np.int64), "step")])[0]
-        pos_f = b.add("Unsqueeze", [b.add("Cast", [positions], to=TensorProto.FLOAT)[0], one])[0]
-        freqs = b.add("Mul", [pos_f, _weight(b, _inv_freq(self.g))])[0]
-        return seqlens, b.add("Cast", [total], to=TensorProto.INT32)[0], b.add("Cos", [freqs])[0], \
-            b.add("Sin", [freqs])[0]
+        return seqlens, b.add("Cast", [total], to=TensorProto.INT32)[0], *rope_tables(b, total, inv_freq)
 
     def _layer(self, i: int, residual: str, update: str | None) -> tuple[str, str, str]:
         """Decoder layer i on the residual stream (plus the previous layer's update, added by the fused norm);
@@ -242,9 +238,7 @@ class _FusedVerifier:
         b = self.b
         q, k, v = (self.rows.padded(t) if t else "" for t in (q, k, v))
         attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
-                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"],
-                     num_heads=self.linears[(i, "q_proj")].out_features // self.hd, kv_num_heads=self.kv_heads,
-                     do_rotary=1, rotary_interleaved=0, scale=float(self.hd) ** -0.5)[0]
+                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"], **self.gqa)[0]
         return self.rows.cut(attn)
 
     def _head_norm(self, v: str, i: int, role: str) -> str:

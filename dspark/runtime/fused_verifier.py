@@ -87,12 +87,16 @@ class FusedVerifier:
         """run(), with the new K/V also returned as an array where they went into the cache (for comparisons)."""
         out = self.run(feeds)
         if out["new_kv"] is IN_CACHE:
-            positions = feeds["tokens"].shape[1]
-            lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
-            new = [np.stack([feeds[past][b, :, n:n + positions] for b, n in enumerate(lengths)])
-                   for past, _ in self.caches]
-            out["new_kv"] = _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))
+            out["new_kv"] = self._written(feeds, feeds)
         return out
+
+    def _written(self, feeds: dict, caches: dict) -> "_HostArray":
+        """The K/V a step of `feeds` wrote into `caches` (past name -> array) after each request's valid prefix."""
+        positions = feeds["tokens"].shape[1]
+        lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
+        new = [np.stack([caches[past][b, :, n:n + positions] for b, n in enumerate(lengths)])
+               for past, _ in self.caches]
+        return _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))
 
     def _lanes_step(self, feeds: dict, batch: int) -> dict:
         """A step of up to `lanes` requests: request b's cache is bound to lane b, in place when it can be."""
@@ -103,31 +107,25 @@ class FusedVerifier:
         in_place = prefill or all(_writable(a) for a in caches.values())
         if not in_place:  # (a comparison's arrays) a copy takes the new K/V, returned as arrays
             caches = {past: np.array(a, dtype=np.float32, order="C") for past, a in caches.items()}
+        shape = caches[self.caches[0][0]].shape
+        empty = np.zeros((1, shape[1], 0, shape[3]), dtype=np.float32)  # a prefill's past
         lane_feeds, into, fetch = dict(feeds), {}, ["accepted", "next_token", "taps"]
         for past, present in self.caches:
-            cache = caches[past]
             for lane in range(batch):
-                name = lane_name(lane, past)
                 if prefill:
-                    lane_feeds[name] = np.zeros((1, cache.shape[1], 0, cache.shape[3]), dtype=np.float32)
+                    lane_feeds[lane_name(lane, past)] = empty
                     fetch.append(lane_name(lane, present))
                 else:
-                    lane_feeds[name] = into[lane_name(lane, present)] = cache[lane:lane + 1]
-        out = self.fused.run(lane_feeds, into, fetch, self._idle_lanes(batch, caches[self.caches[0][0]].shape))
+                    lane_feeds[lane_name(lane, past)] = into[lane_name(lane, present)] = caches[past][lane:lane + 1]
+        out = self.fused.run(lane_feeds, into, fetch, self._idle_lanes(batch, shape))
         self.steps["prefill" if prefill else "fused"] += 1
         result = {"accepted": out["accepted"], "next_token": out["next_token"], "taps": out["taps"]}
-        positions = feeds["tokens"].shape[1]
-        if prefill:  # present.* hold the lane's padding row last
-            new = [np.concatenate([out[lane_name(lane, present)].numpy()[:, :, :positions] for lane in range(batch)])
-                   for _, present in self.caches]
-        elif in_place:
-            return {**result, "new_kv": IN_CACHE}
-        else:
-            lengths = np.asarray(feeds["past_mask"]).sum(axis=1)
-            new = [np.stack([caches[past][b, :, n:n + positions] for b, n in enumerate(lengths)])
-                   for past, _ in self.caches]
-        new_kv = np.array(new).reshape(self.layers, 2, *new[0].shape)
-        return {**result, "new_kv": _HostArray(new_kv)}
+        if not prefill:
+            return {**result, "new_kv": IN_CACHE if in_place else self._written(feeds, caches)}
+        positions = feeds["tokens"].shape[1]  # present.* hold the lane's padding row last
+        new = [np.concatenate([out[lane_name(lane, present)].numpy()[:, :, :positions] for lane in range(batch)])
+               for _, present in self.caches]
+        return {**result, "new_kv": _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))}
 
     def _idle_lanes(self, batch: int, shape: tuple[int, ...]):
         """A binding of the fused graph with the lanes past `batch` bound to one dummy cache (their attention does
