@@ -29,6 +29,18 @@ SAMPLING_INPUTS = ("temperature", "draft_noise")  # heads inputs only sampling r
 SAMPLING_OUTPUTS = ("draft_probs",)  # heads outputs only sampling needs
 
 
+def available_memory() -> int | None:
+    """Bytes of memory new allocations can take without swapping (Linux MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Tensor(Protocol):
     """A graph output: an onnxruntime.OrtValue, or a device tensor of a GPU backend. `.numpy()` gives host data."""
 

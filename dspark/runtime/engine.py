@@ -1,6 +1,6 @@
 """The always-on engine: one decode loop thread owns the batch slots and admits requests at every round boundary.
 
-    engine = Engine(Runtime("bundle/"), EngineOptions(batch_size=4, policy="all", max_queue=64))
+    engine = Engine(Runtime("bundle/"), EngineOptions(max_queue=64))  # batch slots and policy: chosen, engine.choice
     engine.start()
     request = engine.submit(engine.runtime.encode("Hello"), RequestOptions(max_tokens=32, seed=1))
     for delta in request:
@@ -26,6 +26,8 @@ import numpy as np
 
 from dspark.errors import DSparkError
 from dspark.runtime.api import Runtime
+from dspark.runtime.backend import available_memory
+from dspark.runtime.engine_choice import choose
 from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
 from dspark.runtime.engine_slots import EngineSlots
 from dspark.runtime.options import DecodeOptions
@@ -42,17 +44,18 @@ class EngineClosed(DSparkError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """batch_size: slots decoding at once. policy: the engine's VerifyPolicy (text or object). max_queue: requests
-    waiting for a slot at most. max_context: positions a slot's caches hold (default: the bundle's max context;
-    every slot allocates it up front)."""
+    """batch_size: slots decoding at once. policy: the engine's VerifyPolicy (text or object). Either None (or
+    "auto"): chosen from the bundle, the backend and the memory available (dspark.runtime.engine_choice; the
+    engine's `choice` says what and why). max_queue: requests waiting for a slot at most. max_context: positions
+    a slot's caches hold (default: the bundle's max context; every slot allocates it up front)."""
 
-    batch_size: int = 4
-    policy: VerifyPolicy | str = "all"
+    batch_size: int | None = None
+    policy: VerifyPolicy | str | None = None
     max_queue: int = 64
     max_context: int | None = None
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.max_queue < 0:
+        if (self.batch_size is not None and self.batch_size < 1) or self.max_queue < 0:
             raise DSparkError("batch_size must be at least 1 and max_queue at least 0")
 
 
@@ -61,11 +64,13 @@ class Engine:
                  observer: EngineObserver | None = None):
         self.runtime, self.options = runtime, options
         self.observer = observer or EngineObserver()
-        self.decode_options = DecodeOptions(policy=options.policy, batch_size=options.batch_size)
         manifest, backend = runtime.manifest, runtime.backend
         limits = [manifest.max_context, backend.fixed_capacity, options.max_context]
         self.capacity = min(x for x in limits if x)
-        self.batch = min(options.batch_size, backend.max_batch or options.batch_size)
+        self.choice = choose(manifest, backend.max_batch, self.capacity, options.batch_size, options.policy,
+                             available_memory())
+        self.batch = self.choice.batch_size
+        self.decode_options = DecodeOptions(policy=self.choice.policy, batch_size=self.batch)
         self.slots = self._new_slots()
         self._pending: deque[Request] = deque()
         self._requests: dict[int, Request] = {}  # in the slots

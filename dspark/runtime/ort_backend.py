@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from dspark.bundle import WEIGHTS, GraphSpec, Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend
+from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend, available_memory
 from dspark.runtime.fused_verifier import FusedVerifier, lane_count
 from dspark.runtime.kv import HostKV, HostRows
 
@@ -50,7 +50,7 @@ def weights_mode(folder: Path, manifest: Manifest, weights: str | None = "auto")
     now; mapped otherwise (a Qwen3-4B bf16 pair: 9.3 GB stored, 18.5 GB as fp32, on a 24 GB machine)."""
     if weights not in (None, "auto"):
         return _known_mode(weights, WEIGHT_MODES)
-    available = _available_memory()
+    available = available_memory()
     return "packed" if available is None or packed_bytes(folder, manifest) <= FIT_SHARE * available else "mapped"
 
 
@@ -85,17 +85,6 @@ def _known_choice(value: str, allowed: tuple[str, ...], what: str) -> str:
     if value not in allowed:
         raise DSparkError(f"unknown {what} {value!r} (choose from {', '.join(allowed)})")
     return value
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class OrtGraph:

@@ -8,7 +8,38 @@ import click
 
 from dspark.cli_options import WEIGHTS_OPTION, ort_weights
 
-POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate)."
+POLICY_HELP = ("The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate); "
+               "auto (the default): schedule+gate when the bundle has an SPS table, else ar.")
+BATCH_HELP = ("Requests decoding at once (batch slots); auto (the default): 16 on a CPU, fewer where their caches "
+              "would not fit in half the memory available.")
+
+
+class Slots(click.ParamType):
+    """A batch size: 'auto' (None) or 1..256."""
+    name = "auto|1..256"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+            if 1 <= int(value) <= 256:
+                return int(value)
+        self.fail(f"{value!r} is neither 'auto' nor a whole number from 1 to 256", param, ctx)
+
+
+SLOTS = Slots()
+
+
+def engine_policy(policy: str, gate: bool):
+    """The --policy/--gate pair as EngineOptions takes it: None for auto."""
+    from dspark.runtime import VerifyPolicy
+
+    if policy == "auto":
+        if gate:
+            raise click.BadParameter("--gate adds the gate to a policy you name (auto already has it when it "
+                                     "drafts)", param_hint="--gate")
+        return None
+    return VerifyPolicy.parse(f"{policy}+gate" if gate and not policy.endswith("+gate") else policy)
 
 
 @click.command("serve")
@@ -17,10 +48,10 @@ POLICY_HELP = "The engine's verify policy: all, fixed:N, static:T, schedule, top
               "smollm2-135m-dspark.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1, 256),
-              help="Requests decoding at once (batch slots).")
-@click.option("--policy", default="all", show_default=True, help=POLICY_HELP)
-@click.option("--gate", is_flag=True, help="Add the draft gate to the policy (skip drafting when it cannot pay).")
+@click.option("--batch-size", default="auto", show_default=True, type=SLOTS, help=BATCH_HELP)
+@click.option("--policy", default="auto", show_default=True, help=POLICY_HELP)
+@click.option("--gate", is_flag=True, help="Add the draft gate to the --policy named (skip drafting when it cannot "
+              "pay; the auto policy has it when it drafts).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 100000),
               help="Requests waiting for a slot at most; beyond that the server answers 429.")
 @click.option("--max-context", type=click.IntRange(16, 1 << 20),
@@ -44,7 +75,6 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
     (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) with an always-on continuous-batching
     engine. Requests decode greedily (temperature 0, as `dspark run`) unless they send a temperature."""
     from dspark.lazy import optional_import
-    from dspark.runtime import VerifyPolicy
     from dspark.runtime.engine import EngineOptions
 
     optional_import("uvicorn", "dspark serve needs the serve extra: pip install -e '.[serve]'")
@@ -52,9 +82,7 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
     from dspark.serve.names import served
     from dspark.serve.server import ServeConfig, serve
 
-    parsed = VerifyPolicy.parse(policy)
-    if gate:
-        parsed = VerifyPolicy.parse(f"{policy}+gate")
+    parsed = engine_policy(policy, gate)
     target = served(bundle, demo, model_name)
     config = ServeConfig(bundle=target.bundle, model_name=target.model_name, aliases=target.aliases,
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
@@ -70,9 +98,9 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
 @click.option("--model-name", default="dspark", show_default=True, help="The model's name in the repository.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Model instances (each loads the bundle and runs its own engine).")
-@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1, 256),
-              help="Batch slots of each instance's engine.")
-@click.option("--policy", default="all", show_default=True, help=POLICY_HELP)
+@click.option("--batch-size", default="auto", show_default=True, type=SLOTS,
+              help="Batch slots of each instance's engine; " + BATCH_HELP.split("; ", 1)[1])
+@click.option("--policy", default="auto", show_default=True, help=POLICY_HELP)
 @click.option("--copy-bundle", is_flag=True, help="Copy the bundle into the repository (default: reference it).")
 @click.option("--python-env", type=click.Path(path_type=Path),
               help="EXECUTION_ENV_PATH: the environment (a venv folder) with dspark installed, for the Python "

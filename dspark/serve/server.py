@@ -38,12 +38,15 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
 
     def load() -> None:
         try:
-            state.load()
+            state.load(say=lambda line: print(f"dspark serve: {line}", file=sys.stderr, flush=True))
             also = f" (also accepted: {', '.join(config.aliases)})" if config.aliases else ""
             print(f"dspark serve: {config.model_name} ready on http://{host}:{port}{also}", file=sys.stderr,
                   flush=True)
-        except DSparkError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        except DSparkError:  # state.load_error holds it: serve() raises it once uvicorn has stopped
+            server.should_exit = True
+        except Exception as e:  # a loader that dies must not leave a server answering 503 forever
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            state.load_error = f"could not load {config.bundle}: {type(e).__name__}{': ' + first if first else ''}"
             server.should_exit = True
 
     @asynccontextmanager

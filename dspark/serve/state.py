@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
@@ -40,15 +41,17 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = Metrics(Manifest.read(self.config.bundle).block_size)  # refuses a bad bundle at once
-        self.metrics.slots.set(self.config.engine.batch_size)
 
-    def load(self) -> None:
-        """Load the bundle, start the engine and warm it up (the server answers /health 503 until then)."""
+    def load(self, say: Callable[[str], None] = lambda line: None) -> None:
+        """Load the bundle, start the engine (`say` gets what it chose and why) and warm it up (the server answers
+        /health 503 until then)."""
         try:
             self.runtime = Runtime(self.config.bundle, backend=self.config.backend, threads=self.config.threads,
                                    weights=self.config.weights)
             self.chat = ChatRenderer(self.runtime.tokenizer)
             self.engine = Engine(self.runtime, self.config.engine, observer=self.metrics).start()
+            self.metrics.slots.set(self.engine.batch)
+            say(self.engine.choice.summary())
             self.engine.warm_up(self.chat.encode([{"role": "user", "content": "Hello"}]))
             self.metrics.ready.set(1)
             self.ready.set()

@@ -30,8 +30,8 @@ class TritonModel:
     bundle: Path
     name: str = "dspark"
     instances: int = 1
-    batch_size: int = 4
-    policy: str = "all"
+    batch_size: int | None = None  # None: chosen when the model loads (dspark.runtime.engine_choice)
+    policy: str | None = None  # None or "auto": chosen when the model loads
     copy_bundle: bool = False
     python_env: Path | None = None  # EXECUTION_ENV_PATH; None: this interpreter's environment
     threads: int | None = None
@@ -39,12 +39,16 @@ class TritonModel:
 
     def parameters(self) -> dict[str, str]:
         params = {"bundle": "bundle" if self.copy_bundle else str(Path(self.bundle).resolve()),
-                  "batch_size": str(self.batch_size), "policy": str(VerifyPolicy.parse(self.policy)),
+                  "batch_size": str(self.batch_size or "auto"), "policy": _policy_text(self.policy),
                   "EXECUTION_ENV_PATH": str(Path(self.python_env or sys.prefix).resolve())}
         for name in ("threads", "max_context"):
             if getattr(self, name):
                 params[name] = str(getattr(self, name))
         return params
+
+
+def _policy_text(policy: str | None) -> str:
+    return "auto" if policy in (None, "auto") else str(VerifyPolicy.parse(policy))  # a bad one refused here
 
 
 def config_pbtxt(model: TritonModel) -> str:

@@ -9,6 +9,7 @@ Inputs: text_input (a prompt, through the chat template) or prompt_ids (token id
 max_tokens, temperature, seed. Outputs: text_output (a piece), token_ids (the piece's ids), finish_reason.
 """
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -40,10 +41,12 @@ class TritonPythonModel:
         if not bundle.is_absolute():
             bundle = Path(args["model_repository"]) / args["model_version"] / bundle
         self.runtime = Runtime(bundle, threads=int(params["threads"]) if params.get("threads") else None)
-        options = EngineOptions(batch_size=int(params.get("batch_size", 4)), policy=params.get("policy", "all"),
+        slots = params.get("batch_size", "auto")
+        options = EngineOptions(batch_size=None if slots == "auto" else int(slots), policy=params.get("policy"),
                                 max_queue=int(params.get("max_queue", 64)),
                                 max_context=int(params["max_context"]) if params.get("max_context") else None)
         self.engine = Engine(self.runtime, options).start()
+        print(f"dspark model {args['model_name']}: {self.engine.choice.summary()}", file=sys.stderr, flush=True)
         self.runtime.backend.prepare(self.engine.batch)  # loaded before Triton says the model is ready
         self.lock = threading.Lock()
 

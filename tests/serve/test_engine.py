@@ -15,13 +15,6 @@ from serve_support import wait_until
 PROMPTS = [[1, 2, 3], [2, 2, 4, 1], [3], [4, 1, 1, 2, 3, 2], [0, 4], [2, 3, 1, 1]]
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_bundle_v6):
-    rt = Runtime(tiny_bundle_v6[3], threads=1)
-    yield rt
-    rt.close()
-
-
 def alone(rt, prompt, max_new_tokens=24, temperature=0.0, seed=0, policy="all"):
     """What `dspark run` gives: the request decoded on its own."""
     options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy)
@@ -83,7 +76,7 @@ def test_stop_strings_end_the_request_and_are_not_returned(runtime, engine):
 
 
 def test_cancel_frees_the_slot_for_the_next_request(runtime):
-    engine = Engine(runtime, EngineOptions(batch_size=1, max_queue=4)).start()
+    engine = Engine(runtime, EngineOptions(batch_size=1, policy="all", max_queue=4)).start()
     try:
         first_delta = threading.Event()
         long = engine.submit(PROMPTS[0], RequestOptions(max_tokens=240),
@@ -99,7 +92,7 @@ def test_cancel_frees_the_slot_for_the_next_request(runtime):
 
 
 def test_full_queue_and_too_long_requests_are_refused(runtime):
-    engine = Engine(runtime, EngineOptions(batch_size=2, max_queue=3))  # not started: nothing leaves the queue
+    engine = Engine(runtime, EngineOptions(batch_size=2, policy="all", max_queue=3))  # not started: nothing leaves the queue
     accepted = [engine.submit(PROMPTS[0], RequestOptions(max_tokens=4)) for _ in range(5)]
     with pytest.raises(QueueFull, match="queue is full"):
         engine.submit(PROMPTS[0], RequestOptions(max_tokens=4))
@@ -125,7 +118,7 @@ def test_bad_request_options_are_refused(bad):
 
 
 def test_close_finishes_or_cancels_every_accepted_request(runtime):
-    engine = Engine(runtime, EngineOptions(batch_size=2, max_queue=8)).start()
+    engine = Engine(runtime, EngineOptions(batch_size=2, policy="all", max_queue=8)).start()
     requests = [engine.submit(p, RequestOptions(max_tokens=200, temperature=1.0, seed=i))
                 for i, p in enumerate(PROMPTS)]
     engine.close(grace=0)

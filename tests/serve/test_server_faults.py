@@ -111,7 +111,8 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
     assert wait_until(lambda: server.metric("dspark_busy_slots") == 0)
 
 
-@pytest.mark.parametrize("args, says", [(["--gate"], "SPS table"), (["--policy", "sometimes"], "policy"),
+@pytest.mark.parametrize("args, says", [(["--policy", "all", "--gate"], "SPS table"), (["--policy", "sometimes"], "policy"),
+                                        (["--gate"], "policy you name"), (["--batch-size", "0"], "auto"),
                                         (["--backend", "tensorrt", "--weights", "mapped"], "ONNX Runtime only")])
 def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, says):
     import subprocess
@@ -123,3 +124,20 @@ def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, s
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors and says in errors[-1] and "Traceback" not in done.stderr
+
+
+def test_a_bundle_that_fails_to_load_ends_the_server_with_one_line(tiny_bundle_v6, tmp_path):
+    """A loader dying on anything but a dspark error used to leave the server up, /health 503 'loading' forever."""
+    import shutil
+    import subprocess
+    import sys
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_v6[3], bundle)
+    (bundle / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")  # the loop never ends
+    done = subprocess.run([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve", str(bundle),
+                           "--port", "0", "--log-level", "error"], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "could not load" in errors[-1] and "TemplateSyntaxError" in errors[-1]
+    assert "Traceback" not in done.stderr

@@ -5,18 +5,11 @@ import sys
 
 import pytest
 
-from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime import DecodeOptions
 
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["w1 w2 w3", "w4 w1", "w2 w2 w3 w1 w0", "w3"]
-
-
-@pytest.fixture(scope="module")
-def runtime(tiny_bundle_v6):
-    rt = Runtime(tiny_bundle_v6[3], threads=1)
-    yield rt
-    rt.close()
 
 
 @pytest.fixture(scope="module")
