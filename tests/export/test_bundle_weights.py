@@ -147,9 +147,9 @@ def test_auto_weights_mode_maps_a_bundle_too_large_to_widen(bundles, monkeypatch
     manifest = Manifest.read(bundle)
     stored = sum(p.stat().st_size for p in bundle.iterdir() if p.name.endswith(".data"))
     widened = 2 * stored  # bf16 -> fp32
-    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(widened / ort_backend.FIT_SHARE) + 1)
+    monkeypatch.setattr(ort_backend, "available_memory", lambda: int(widened / ort_backend.FIT_SHARE) + 1)
     assert ort_backend.weights_mode(bundle, manifest) == "packed"
-    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(widened / ort_backend.FIT_SHARE) - 4096)
+    monkeypatch.setattr(ort_backend, "available_memory", lambda: int(widened / ort_backend.FIT_SHARE) - 4096)
     assert ort_backend.weights_mode(bundle, manifest) == "mapped"
     assert ort_backend.weights_mode(bundle, manifest, "packed") == "packed"  # asked for: no second guessing
     with pytest.raises(DSparkError, match="unknown weights mode"):
@@ -252,9 +252,9 @@ def test_auto_weights_mode_does_not_widen_quantized_blocks(tmp_path, monkeypatch
     (tmp_path / "weights.data").write_bytes(b"\0" * 1000)
     (tmp_path / "verifier.onnx.data").write_bytes(b"\0" * 6000)
     manifest = SimpleNamespace(precision="bf16", graphs={}, quantized_activations=lambda graph: False)
-    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
+    monkeypatch.setattr(ort_backend, "available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
     assert ort_backend.weights_mode(tmp_path, manifest) == "packed"  # 2 x 1000 + 6000 fits
-    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) - 10)
+    monkeypatch.setattr(ort_backend, "available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) - 10)
     assert ort_backend.weights_mode(tmp_path, manifest) == "mapped"
 
     # a fused verifier's concatenated blocks: counted beside the portable verifier's when a step of several
@@ -267,5 +267,5 @@ def test_auto_weights_mode_does_not_widen_quantized_blocks(tmp_path, monkeypatch
     manifest.graphs["verifier_fused"].inputs = []
     manifest.quantized_activations = lambda graph: graph == "verifier"
     assert ort_backend.packed_bytes(tmp_path, manifest) == 8000
-    monkeypatch.setattr(ort_backend, "_available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
+    monkeypatch.setattr(ort_backend, "available_memory", lambda: int(8000 / ort_backend.FIT_SHARE) + 1)
     assert ort_backend.weights_mode(tmp_path, manifest) == "packed"
