@@ -71,8 +71,8 @@ class DraftGate:
         """Start from what a gate of the same policy at another batch size learned of the drafter: its survival (a
         property of the drafter and the requests, not of the batch) and the table's measured scale. Draft time
         and back-off stay this batch's own; a survival seen over min_evidence rounds there that cannot pay here
-        waits the hopeless wait after this gate's first probe, not after its whole back-off (a new gate for 8
-        rows probing at rounds 1, 5, 13, 29 and 61 cost a batch of 8 x 96 tokens 15% against AR)."""
+        waits the hopeless wait at once, as a live count new to a gate with that evidence does (_probe_interval),
+        not after a whole back-off."""
         self.survival, self.gain, self.best = other.survival.copy(), other.gain.copy(), other.best.copy()
         self.observed, self.since_observed, self.scale = other.observed, other.since_observed, other.scale
 
