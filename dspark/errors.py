@@ -35,8 +35,12 @@ def exit_report(e: BaseException) -> tuple[str, int]:
     if isinstance(e, Terminated):
         return "terminated", 143
     # the last line of defence: every known bad input is refused before this
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"error: internal error ({type(e).__name__}: {first[:300]}); please report it to the dspark project", 2
+    return f"error: internal error ({type(e).__name__}: {first_line(e)}); please report it to the dspark project", 2
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut at `limit` characters ('' when it has none)."""
+    return (str(e).strip().splitlines() or [""])[0][:limit]
 
 
 def on_sigterm(handler):

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, first_line
 from dspark.serve.app import create_app
 from dspark.serve.state import ServeConfig, ServerState
 
@@ -45,7 +45,7 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
         except DSparkError:  # state.load_error holds it: serve() raises it once uvicorn has stopped
             server.should_exit = True
         except Exception as e:  # a loader that dies must not leave a server answering 503 forever
-            first = (str(e).strip().splitlines() or [""])[0][:300]
+            first = first_line(e)
             state.load_error = f"could not load {config.bundle}: {type(e).__name__}{': ' + first if first else ''}"
             server.should_exit = True
 

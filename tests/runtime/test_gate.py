@@ -157,21 +157,30 @@ def test_one_lucky_round_does_not_keep_the_gate_probing():
     assert _probes(gate, live, 0.1, 0.03, rounds=40) == [1, 5, 13, 21, 33]  # the back-off, then hopeless_probe
 
 
-def test_the_back_off_is_kept_per_number_of_live_requests():
-    """Drafting pays for one live request, not for two (verifying 3+ positions costs 8x one): a round where the
-    batch drained to one request drafts, and must not restart two requests' back-off (it did: a serving engine
-    paid 4 probes after every refill)."""
-    sps = np.array([100.0, 100.0, 12.5, 12.5, 12.5, 12.5, 12.5, 12.5])
-    gate = DraftGate(sps, block_size=4, batch=2, layout=FLAT, probe=2, max_probe=8, hopeless_probe=10 ** 6)
-    two, one = np.array([True, True]), np.array([True, False])
+ONE_PAYS = np.array([100.0, 100.0, 12.5, 12.5, 12.5, 12.5, 12.5, 12.5])  # verifying 3+ positions costs 8x one
 
-    def rounds(live, n):
+
+def drafted_rounds(gate: DraftGate, survival: float = 0.5):
+    """rounds(live, n): n rounds through the gate, each drafted one observed with this survival per position;
+    returns which rounds drafted."""
+    def rounds(live: np.ndarray, n: int) -> list[int]:
         drafted = []
         for i in range(n):
             if gate.should_draft(live):
                 drafted.append(i)
-                gate.observe(np.full((2, 4), 0.5), live, seconds=0.001)
+                gate.observe(np.full((live.size, 4), survival), live, seconds=0.001)
         return drafted
+
+    return rounds
+
+
+def test_the_back_off_is_kept_per_number_of_live_requests():
+    """Drafting pays for one live request, not for two (verifying 3+ positions costs 8x one): a round where the
+    batch drained to one request drafts, and must not restart two requests' back-off (it did: a serving engine
+    paid 4 probes after every refill)."""
+    gate = DraftGate(ONE_PAYS, block_size=4, batch=2, layout=FLAT, probe=2, max_probe=8, hopeless_probe=10 ** 6)
+    two, one = np.array([True, True]), np.array([True, False])
+    rounds = drafted_rounds(gate)
 
     assert rounds(two, 1) == [0]  # nothing measured yet
     ar, spec = gate.rates(2)
@@ -185,17 +194,9 @@ def test_a_new_number_of_live_requests_is_judged_on_the_evidence_at_once():
     """Under a closed loop the live count keeps changing: once the gate has seen min_evidence drafted rounds, a
     count new to it that cannot pay waits the hopeless wait, not a back-off from `probe` rounds (which cost a
     serving engine 4-9% against AR at concurrency 4-8 with a drafter that could not pay)."""
-    sps = np.array([100.0, 100.0, 12.5, 12.5, 12.5, 12.5, 12.5, 12.5])
-    gate = DraftGate(sps, block_size=4, batch=3, layout=FLAT, probe=2, max_probe=8, hopeless_probe=10 ** 6)
+    gate = DraftGate(ONE_PAYS, block_size=4, batch=3, layout=FLAT, probe=2, max_probe=8, hopeless_probe=10 ** 6)
     one, two = np.array([True, False, False]), np.array([True, True, False])
-
-    def rounds(live, n):
-        drafted = []
-        for i in range(n):
-            if gate.should_draft(live):
-                drafted.append(i)
-                gate.observe(np.full((3, 4), 0.5), live, seconds=0.001)
-        return drafted
+    rounds = drafted_rounds(gate)
 
     assert rounds(one, 8) == list(range(8))  # pays for one request: every round drafts, 8 rounds of evidence
     assert gate.rates(2)[1] < gate.rates(2)[0]

@@ -92,7 +92,8 @@ def test_cancel_frees_the_slot_for_the_next_request(runtime):
 
 
 def test_full_queue_and_too_long_requests_are_refused(runtime):
-    engine = Engine(runtime, EngineOptions(batch_size=2, policy="all", max_queue=3))  # not started: nothing leaves the queue
+    # not started: nothing leaves the queue
+    engine = Engine(runtime, EngineOptions(batch_size=2, policy="all", max_queue=3))
     accepted = [engine.submit(PROMPTS[0], RequestOptions(max_tokens=4)) for _ in range(5)]
     with pytest.raises(QueueFull, match="queue is full"):
         engine.submit(PROMPTS[0], RequestOptions(max_tokens=4))

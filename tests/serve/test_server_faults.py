@@ -111,8 +111,9 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
     assert wait_until(lambda: server.metric("dspark_busy_slots") == 0)
 
 
-@pytest.mark.parametrize("args, says", [(["--policy", "all", "--gate"], "SPS table"), (["--policy", "sometimes"], "policy"),
-                                        (["--gate"], "policy you name"), (["--batch-size", "0"], "auto"),
+@pytest.mark.parametrize("args, says", [(["--policy", "all", "--gate"], "SPS table"),
+                                        (["--policy", "sometimes"], "policy"), (["--gate"], "policy you name"),
+                                        (["--batch-size", "0"], "auto"),
                                         (["--backend", "tensorrt", "--weights", "mapped"], "ONNX Runtime only")])
 def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, says):
     import subprocess
