@@ -34,7 +34,7 @@ POLICIES = ("dspark", "ar")
 
 def start_server(args, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve", str(args.bundle),
-           "--port", str(port), "--batch-size", str(args.batch_size), "--policy", args.policy,
+           "--port", str(port), "--batch-size", str(args.batch_size or "auto"), "--policy", args.policy,
            "--max-context", str(args.max_context), "--max-queue", "256", "--model-name", "bench",
            "--log-level", "warning"]
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -264,9 +264,10 @@ def parse_args():
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2, 4, 8, 16])
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.5, 1.0],
                     help="Poisson arrival rates (requests/s).")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=lambda s: None if s == "auto" else int(s), default=None,
+                    help="Batch slots (default: auto, what dspark serve chooses).")
     ap.add_argument("--max-context", type=int, default=512)
-    ap.add_argument("--policy", default="all")
+    ap.add_argument("--policy", default="auto", help="The server's policy (default: auto, what dspark serve chooses).")
     ap.add_argument("--port", type=int, default=18650)
     ap.add_argument("--soak-tokens", type=int, default=0, help="Then generate this many tokens, sampling RSS.")
     ap.add_argument("--overhead-passes", type=int, default=3,
