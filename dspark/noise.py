@@ -31,3 +31,14 @@ def stack(noises: list[RequestNoise | None], n: int) -> np.ndarray:
         if src is not None:
             out[i] = src.draw(n)
     return out
+
+
+class PlainStepNoise(RequestNoise):
+    """A request's noise as autoregressive steps draw it, for a request decoding autoregressively inside a
+    drafting batch: one uniform per draw (accept, then sample); the verifier never reads the accept noise past
+    verify_len 0, so the rest is padding. Equal to RequestNoise for one-position draws."""
+
+    def draw(self, n: int) -> np.ndarray:
+        out = np.ones(n, dtype=np.float32)
+        out[0] = super().draw(1)[0]
+        return out

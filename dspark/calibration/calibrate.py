@@ -15,6 +15,7 @@ from dspark.files import Temporary, read_json, write_text_atomic
 from dspark.lazy import optional_import
 from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.observers import ConfidenceLog
 
 
 def collect_rounds(bundle: Path, prompts: list[str], max_new_tokens: int = 256, temperature: float = 0.0,
@@ -22,13 +23,13 @@ def collect_rounds(bundle: Path, prompts: list[str], max_new_tokens: int = 256, 
     rt = Runtime(bundle)
     if not rt.manifest.draft.get("confidence_head"):
         raise DSparkError(f"{bundle} has no confidence head to calibrate")
-    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                            batch_size=batch_size, record_confidence=True))
-    for _ in dec:
+    log = ConfidenceLog()
+    for _ in rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                               batch_size=batch_size), observers=[log]):
         pass
-    if not dec.confidence_log:
+    if not log.rounds:
         raise DSparkError("decoding produced no verification rounds to calibrate on")
-    z, proposed, accepted = zip(*dec.confidence_log)
+    z, proposed, accepted = zip(*log.rounds)
     return Rounds(np.stack(z), np.asarray(proposed), np.asarray(accepted))
 
 

@@ -23,6 +23,7 @@ from dspark.runtime.backend import Backend, create_backend
 from dspark.runtime.decoder import Decoder
 from dspark.runtime.results import RequestResult, StepTimes
 from dspark.runtime.gate import GateMemory
+from dspark.runtime.observers import RoundObserver
 from dspark.runtime.options import DecodeOptions
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -106,11 +107,16 @@ class Runtime:
                               f"[prompt] or Runtime.stream)")
         return [self.encode(p) for p in prompts]
 
-    def decoder(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions()) -> Decoder:
-        """Requests beyond `options.batch_size` wait in a queue and take the first slot that frees up."""
+    def decoder(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions(),
+                observers: Sequence[RoundObserver] = ()) -> Decoder:
+        """Requests beyond `options.batch_size` wait in a queue and take the first slot that frees up. `observers`
+        see every prefill and round (dspark.runtime.observers: TapsLog, ConfidenceLog, StepTimer)."""
         if not isinstance(options, DecodeOptions):
             raise DSparkError(f"options must be DecodeOptions, not {type(options).__name__}")
-        return Decoder(self.backend, self.manifest, self._encode_all(prompts), options, gates=self.gates)
+        if any(not isinstance(o, RoundObserver) for o in observers):
+            raise DSparkError("observers must be dspark.runtime.observers.RoundObserver objects")
+        return Decoder(self.backend, self.manifest, self._encode_all(prompts), options, gates=self.gates,
+                       observers=tuple(observers))
 
     def generate(self, prompts: Sequence[Prompt], options: DecodeOptions = DecodeOptions()) -> list[RequestResult]:
         """Decode to the end; each result carries its token ids and `text`."""

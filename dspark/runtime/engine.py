@@ -22,16 +22,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 
 from dspark.errors import DSparkError
 from dspark.runtime.api import Runtime
 from dspark.runtime.backend import available_memory
 from dspark.runtime.engine_choice import choose
 from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
-from dspark.runtime.engine_slots import EngineSlots
-from dspark.runtime.options import DecodeOptions
+from dspark.runtime.gate import new_gate
+from dspark.runtime.observers import RoundObserver, RoundRecord
 from dspark.runtime.scheduler import VerifyPolicy
+from dspark.runtime.slot_request import SlotRequest
+from dspark.runtime.slots import Slots
 
 
 class QueueFull(DSparkError):
@@ -69,23 +70,21 @@ class Engine:
         self.capacity = min(x for x in limits if x)
         self.choice = choose(manifest, backend.max_batch, self.capacity, options.batch_size, options.policy,
                              available_memory())
-        self.batch = self.choice.batch_size
-        self.decode_options = DecodeOptions(policy=self.choice.policy, batch_size=self.batch)
+        self.batch, self.policy = self.choice.batch_size, self.choice.policy
         self.slots = self._new_slots()
         self._pending: deque[Request] = deque()
         self._requests: dict[int, Request] = {}  # in the slots
+        self._decoding: dict[int, SlotRequest] = {}  # the slot machine's record of each of them
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def _new_slots(self) -> EngineSlots:
-        return EngineSlots(self.runtime.backend, self.runtime.manifest, self.decode_options, self.batch,
-                           self.capacity)
-
-    @property
-    def policy(self) -> VerifyPolicy:
-        return self.decode_options.policy
+    def _new_slots(self) -> Slots:
+        manifest = self.runtime.manifest
+        gate = new_gate(self.policy, manifest.calibration.get("sps_table"), manifest.block_size, self.batch)
+        return Slots(self.runtime.backend, manifest, self.policy, self.batch, self.capacity, gate=gate,
+                     observers=(_RoundReport(self),))
 
     # -- the caller's side (any thread) -----------------------------------------------------------------------
 
@@ -136,7 +135,7 @@ class Engine:
 
     @property
     def busy_slots(self) -> int:
-        return int(self.slots.live().sum())
+        return self.slots.live
 
     def idle(self) -> bool:
         with self._cond:
@@ -202,28 +201,25 @@ class Engine:
     def _step(self, taken: list[Request]) -> None:
         """One round boundary (cancellations, admissions, freed slots), then one round if any slot is live."""
         for request in list(self._requests.values()):
-            if request.cancelled.is_set() and not request.done and request.id in self.slots.results:
-                self.slots.results[request.id].done = True
+            if request.cancelled.is_set() and not request.done:
+                self.slots.cancel(self._decoding[request.id])
                 self._finish(request, "cancelled")
         for request in taken:
             request.stop_text = StopText(self.runtime.tokenizer, request.options.stop)
-            self.slots.add(request)
-        self._deliver(self.slots._fill_free_slots())
+            options = request.options
+            self._decoding[request.id] = SlotRequest(request.id, request.prompt_ids, options.max_tokens,
+                                                     options.temperature, options.seed, ar=request.ar)
+            self.slots.add(self._decoding[request.id])
+        self._deliver(self.slots.step())
         self._forget_finished()
-        live = self.slots.live()
-        self.observer.occupancy(int(live.sum()), int(self.slots.kv.lengths[live].sum()))
-        if live.any():
-            drafted = self.slots.times.drafted
-            self._deliver(self.slots._round())
-            self._observe_round(live, self.slots.times.drafted > drafted)
-            self.slots.trim_logs()
+        self.observer.occupancy(self.slots.live, self.slots.kv_used())
 
     def _deliver(self, events) -> None:
         for event in events:
             request = self._requests[event.request]
             if request.done:  # cancelled this round: its last tokens are not sent
                 continue
-            result = self.slots.results[event.request]
+            result = self._decoding[event.request].result
             now = time.perf_counter()
             if request.first_token_at is None:
                 request.first_token_at = now
@@ -264,29 +260,39 @@ class Engine:
 
     def _forget_finished(self) -> None:
         with self._cond:
-            for request_id in [i for i, r in self._requests.items() if r.done and i not in self.slots.slot_req]:
+            for request_id in [i for i, r in self._requests.items() if r.done]:
                 del self._requests[request_id]
-                self.slots.forget(request_id)
+                del self._decoding[request_id]
             self._cond.notify_all()
 
-    def _observe_round(self, live: np.ndarray, drafted: bool) -> None:
-        slots = self.slots
-        stats = RoundStats(busy_slots=int(live.sum()), queue_depth=len(self._pending),
-                           kv_used=int(slots.kv.lengths[live].sum()), kv_capacity=slots.batch * self.capacity,
-                           drafted=drafted,
-                           gate_skipped=not drafted and slots.gate is not None and bool((live & ~slots.ar_slots).any()))
-        if drafted:
-            for slot in np.flatnonzero(live & ~slots.ar_slots):
-                result = slots.results.get(slots.slot_req[slot])
-                if result is not None and result.proposed:
-                    stats.verified.append(result.proposed[-1])
-                    stats.accepted.append(result.accepted[-1])
+    def observe_round(self, record: RoundRecord) -> None:
+        """Metrics of one round (called by the slot machine, from the loop thread)."""
+        live, drafting = record.live(), record.drafting()
+        stats = RoundStats(busy_slots=len(live), queue_depth=len(self._pending), kv_used=self.slots.kv_used(),
+                           kv_capacity=self.slots.batch * self.capacity, drafted=record.drafted,
+                           gate_skipped=not record.drafted and self.slots.gate is not None
+                           and any(not record.requests[r].ar for r in live))
+        for r in drafting:
+            result = record.requests[r].result
+            stats.verified.append(result.proposed[-1])
+            stats.accepted.append(result.accepted[-1])
         self.observer.round(stats)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
             failed = [*self._requests.values()]
             self._requests.clear()
+            self._decoding.clear()
             self.slots = self._new_slots()  # the slots' state may be half-written: start from empty caches
         for request in failed:
             self._finish(request, "error", error=message)
+
+
+class _RoundReport(RoundObserver):
+    """The engine's metrics as an observer of its slot machine."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def round(self, record: RoundRecord) -> None:
+        self.engine.observe_round(record)

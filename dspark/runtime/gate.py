@@ -82,30 +82,32 @@ class DraftGate:
     def step(self, tokens: int) -> float:
         return (1.0 if self.scale is None else self.scale) * step_seconds(self.sps, tokens)
 
-    def width(self, live: int) -> int:
-        """Rows a verifier step computes: the whole batch (padded layout) or the live requests (flat)."""
-        return self.batch if self.layout == PADDED else live
+    def width(self, live: int, rows: int | None = None) -> int:
+        """Rows a verifier step computes: all `rows` of the round (default: the batch; padded layout) or the live
+        requests (flat)."""
+        return (rows or self.batch) if self.layout == PADDED else live
 
-    def rates(self, live: int, gain: np.ndarray | None = None) -> tuple[float, float]:
+    def rates(self, live: int, gain: np.ndarray | None = None, rows: int | None = None) -> tuple[float, float]:
         """Expected committed tokens/s of (an autoregressive step, the best common verification length), with the
         expected accepted drafts `gain` (default: from the smoothed survival)."""
         gain = self.gain if gain is None else gain
-        width = self.width(live)
+        width = self.width(live, rows)
         ar = live / self.step(width)
         spec = max(live * (1 + gain[k]) / (self.draft_seconds + self.step(width * (1 + k)))
                    for k in range(len(gain)))
         return ar, spec
 
     def should_draft(self, live: np.ndarray) -> bool:
-        n = int(np.count_nonzero(live))
+        """Before a round over len(live) rows (the slots it computes), `live` marking the requests that would draft."""
+        n, rows = int(np.count_nonzero(live)), len(live)
         if self.draft_seconds is None or n == 0:
             draft = True  # nothing measured yet
         else:
-            ar, spec = self.rates(n)
+            ar, spec = self.rates(n, rows=rows)
             probe = self.probes.get(n, self.base_probe)
             if spec >= ar:
                 draft, self.probes[n] = True, self.base_probe
-            elif self.skipped + 1 >= self._probe_interval(n, ar, probe):  # probe: refresh the estimates
+            elif self.skipped + 1 >= self._probe_interval(n, ar, probe, rows):  # probe: refresh the estimates
                 draft, self.probes[n] = True, min(2 * probe, self.max_probe)
             else:
                 draft = False
@@ -113,7 +115,7 @@ class DraftGate:
         self.since_observed += 1
         return draft
 
-    def _probe_interval(self, live: int, ar: float, probe: int) -> int:
+    def _probe_interval(self, live: int, ar: float, probe: int, rows: int) -> int:
         """Rounds to skip before the next probe: the backed-off interval, or, once min_evidence drafted rounds have
         been seen (at any number of live requests: the survival is the drafter's, not the batch's) and even the
         best survival seen lately could not pay at this batch, hopeless_probe times how many times slower than AR
@@ -126,17 +128,17 @@ class DraftGate:
         evidence = self.observed >= self.min_evidence  # not on a few rounds' word
         if self.skipped + 1 >= probe and evidence:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)
-            best = self.rates(live, np.concatenate(([0.0], faded)))[1]
+            best = self.rates(live, np.concatenate(([0.0], faded)), rows)[1]
             if best < ar:
                 wait = self.hopeless_probe * int(min(self.hopeless_factor, max(1.0, ar / max(best, 1e-12))))
-                return max(wait, min(self.max_hopeless, self._budgeted_wait(live)))
+                return max(wait, min(self.max_hopeless, self._budgeted_wait(live, rows)))
         return probe
 
-    def _budgeted_wait(self, live: int) -> int:
+    def _budgeted_wait(self, live: int, rows: int) -> int:
         """Rounds between probes that keep the cheapest probe's loss against plain steps within probe_budget."""
         if self.probe_budget is None:
             return 0
-        width = self.width(live)
+        width = self.width(live, rows)
         plain = self.step(width)
         loss = min(self.draft_seconds + self.step(width * (1 + k)) - (1 + self.gain[k]) * plain
                    for k in range(1, len(self.gain)))
@@ -161,6 +163,13 @@ class DraftGate:
         if not self.live_scale:
             return
         self.scale = self._smooth(self.scale, seconds / step_seconds(self.sps, tokens))
+
+
+def new_gate(policy: VerifyPolicy, sps_table: list[float] | None, block_size: int, batch: int) -> DraftGate | None:
+    """A fresh gate for a decode with this policy, or None where the policy does not gate."""
+    if policy.is_ar or not policy.gate:
+        return None
+    return DraftGate(policy.sps_table(sps_table), block_size, batch, policy.layout)
 
 
 class GateMemory:

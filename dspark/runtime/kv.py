@@ -72,3 +72,48 @@ class HostRows:
 
     def feed(self) -> np.ndarray:
         return np.ascontiguousarray(self.rows[:, :max(int(self.count.max()), 1)])
+
+
+class LeadingKV:
+    """The first n slots of a HostKV as the graphs read them (views: no copy); writes go to the whole cache."""
+
+    def __init__(self, whole: HostKV, n: int):
+        self.whole = whole
+        self.feeds = {name: whole.buffer[i, j, :n] for name, i, j in whole.names}
+        self.lengths = whole.lengths[:n]
+        self._mask = whole.past_mask()[:n]
+
+    def past_mask(self) -> np.ndarray:
+        return self._mask
+
+    def __getattr__(self, name):  # write, commit, check_room, room, capacity: slot indices are the whole's
+        return getattr(self.whole, name)
+
+
+class LeadingRows:
+    """The first n slots of a HostRows (its row buffer may grow, so rows are read through the whole)."""
+
+    def __init__(self, whole: HostRows, n: int):
+        self.whole, self.n = whole, n
+        self.count = whole.count[:n]
+
+    def put(self, slot: int, taps, row: int, count: int, append: bool = False) -> None:
+        self.whole.put(slot, taps, row, count, append)
+
+    def feed(self) -> np.ndarray:
+        return np.ascontiguousarray(self.whole.rows[:self.n, :max(int(self.count.max()), 1)])
+
+
+def move_kv(kv: HostKV, src: int, dst: int) -> None:
+    """Move slot src's valid cache prefix to slot dst (free); src is left empty."""
+    length = int(kv.lengths[src])
+    kv.buffer[:, :, dst, :, :length] = kv.buffer[:, :, src, :, :length]
+    kv.commit(dst, 0)
+    kv.commit(dst, length)
+    kv.commit(src, 0)
+
+
+def move_rows(rows: HostRows, src: int, dst: int) -> None:
+    count = int(rows.count[src])
+    rows.rows[dst, :count] = rows.rows[src, :count]
+    rows.count[dst], rows.count[src] = count, 0

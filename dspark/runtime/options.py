@@ -19,8 +19,6 @@ class DecodeOptions:
     policy: how many drafts a round verifies, a VerifyPolicy or its text ("ar", "all", "fixed:N", "static:T",
         "schedule", "topk", optionally "+gate"); "ar" decodes autoregressively with the same verifier graph.
     batch_size: slots decoding at once (default: all requests); further requests queue for a free slot.
-    record_taps / record_confidence: keep target features per position / confidence logits per round (training,
-        calibration).
     threshold_rule: how a static threshold cuts the drafts: "cumulative" (default) verifies the prefix whose
         calibrated survival (the product of the per-position confidences) reaches it; "first" is DeepSpec's
         --confidence-threshold: cut at the first position whose own confidence is below it."""
@@ -30,8 +28,6 @@ class DecodeOptions:
     seed: int = 0
     policy: VerifyPolicy | str = "all"
     batch_size: int | None = None
-    record_taps: bool = False
-    record_confidence: bool = False
     threshold_rule: str = "cumulative"
 
     def __post_init__(self):
@@ -47,31 +43,10 @@ class DecodeOptions:
             _integer("batch_size", self.batch_size, 1)
         if self.threshold_rule not in THRESHOLD_RULES:
             raise DSparkError(f"threshold_rule {self.threshold_rule!r} is not one of {', '.join(THRESHOLD_RULES)}")
-        for name in ("record_taps", "record_confidence"):
-            if not isinstance(getattr(self, name), bool):
-                raise DSparkError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
     @property
     def ar(self) -> bool:
         return self.policy.is_ar
-
-    @property
-    def first_rule(self) -> bool:
-        return self.threshold_rule == "first" and self.policy.kind == "static"
-
-    def heads_feeds(self, feeds: dict) -> dict:
-        """The heads graph's policy inputs; the first-position rule lets every draft through and cuts on the host."""
-        return {**feeds, "threshold": np.zeros_like(feeds["threshold"])} if self.first_rule else feeds
-
-    def cut(self, survival: np.ndarray, verify_len: np.ndarray) -> np.ndarray:
-        """Drafts to verify per request: the graph's choice, or the first position whose confidence (survival
-        over the previous position's survival) is below the threshold."""
-        if not self.first_rule:
-            return verify_len
-        with np.errstate(divide="ignore", invalid="ignore"):
-            previous = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], axis=1)
-            below = ~(survival / previous >= self.policy.threshold)
-        return np.where(below.any(axis=1), below.argmax(axis=1), survival.shape[1]).astype(np.int64)
 
     def replace(self, **changes) -> "DecodeOptions":
         return dataclasses.replace(self, **changes)

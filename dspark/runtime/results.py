@@ -18,7 +18,6 @@ class RequestResult:
     done: bool = False
     started: float = 0.0
     seconds: float = 0.0
-    taps: list = field(default_factory=list, repr=False)  # target features per position (record_taps=True)
     text: str = ""  # the decoded tokens (Runtime.generate fills it in)
     error: str | None = None  # why this request was refused (it alone; the batch's other requests still run)
 

@@ -75,22 +75,28 @@ class VerifyPolicy:
 
 
 class RoundPlanner:
-    """Builds the ConfidenceTruncate inputs each round and applies the host-side cap of the fixed policy."""
+    """Every round's answer to "how many drafts does each request verify", outside the heads graph: the
+    ConfidenceTruncate inputs (mode, threshold, SPS table, top-K budget, which rows draft), then, from the graph's
+    choice, the host-side cuts: the fixed policy's cap, DeepSpec's first-position threshold rule, and zero for
+    every row that did not draft (free slots, "ar" requests)."""
 
-    def __init__(self, policy: VerifyPolicy, batch: int, sps_table: list[float] | None):
+    def __init__(self, policy: VerifyPolicy, batch: int, sps_table: list[float] | None,
+                 threshold_rule: str = "cumulative"):
         self.policy = policy
-        self.batch = batch
         if policy.kind in ("schedule", "topk"):
             self.sps = policy.sps_table(sps_table)
         else:
             self.sps = np.ones(1, dtype=np.float32)
         self.mode = np.array([{"schedule": SCHEDULE, "topk": TOPK}.get(policy.kind, STATIC)], dtype=np.int64)
         self.layout = np.array([policy.layout], dtype=np.int64)
-        self.threshold = np.full(batch, policy.threshold if policy.kind == "static" else 0.0, dtype=np.float32)
+        # the first-position rule lets every draft through the graph and cuts on the host (after)
+        self.first_rule = threshold_rule == "first" and policy.kind == "static"
+        static = policy.threshold if policy.kind == "static" and not self.first_rule else 0.0
+        self.threshold = np.full(batch, static, dtype=np.float32)
         self.history: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=2)  # (survival, active) per round
-        self.budgets: list[int] = []
 
     def feeds(self, active: np.ndarray) -> dict[str, np.ndarray]:
+        """The heads graph's policy inputs for a round over len(active) rows; `active`: the rows that draft."""
         budget = 0
         if self.policy.kind == "topk":
             if len(self.history) == 2:  # confidences two rounds old: known before this round started
@@ -98,14 +104,25 @@ class RoundPlanner:
                 budget = budget_from(survival, self.sps, was_active, self.policy.layout)
             else:
                 budget = int(active.sum()) * 64  # no history yet: admit everything
-            self.budgets.append(budget)
-        return {"threshold": self.threshold, "sps": self.sps, "budget": np.array([budget], dtype=np.int64),
-                "active": active, "mode": self.mode, "layout": self.layout}
+        return {"threshold": self.threshold[:len(active)], "sps": self.sps,
+                "budget": np.array([budget], dtype=np.int64), "active": active, "mode": self.mode,
+                "layout": self.layout}
 
     def after(self, survival: np.ndarray, active: np.ndarray, verify_len: np.ndarray) -> np.ndarray:
-        """Record this round's survival (for top-K two rounds on) and apply the fixed cap."""
+        """Drafts each row verifies, from the graph's verify_len (recording this round's survival for top-K)."""
         if self.policy.kind == "topk":
             self.history.append((survival.copy(), active.copy()))
         if self.policy.kind == "fixed":
             verify_len = np.minimum(verify_len, self.policy.gamma)
-        return verify_len
+        if self.first_rule:
+            verify_len = first_below(survival, self.policy.threshold)
+        return np.where(active, verify_len, 0)
+
+
+def first_below(survival: np.ndarray, threshold: float) -> np.ndarray:
+    """DeepSpec's --confidence-threshold: per row, the first position whose own confidence (survival over the
+    previous position's survival) is below the threshold; every draft when none is."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        previous = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], axis=1)
+        below = ~(survival / previous >= threshold)
+    return np.where(below.any(axis=1), below.argmax(axis=1), survival.shape[1]).astype(np.int64)

@@ -13,6 +13,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.observers import TapsLog
 from dspark.tokenizer import ChatTokenizer
 
 
@@ -72,8 +73,9 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
         return read_responses(out_path)
     rt = Runtime(bundle, threads=threads)
     prompts = [rows[i]["prompt"] for i in order]
-    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar", batch_size=batch_size,
-                                            record_taps=True))
+    taps = TapsLog()
+    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar", batch_size=batch_size),
+                     observers=[taps])
     taps_dir = out_path.parent / "taps"
     taps_dir.mkdir(parents=True, exist_ok=True)
     t0, tokens = time.perf_counter(), 0
@@ -83,8 +85,7 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
                 continue
             res = dec.results[event.request]
             i = order[event.request]
-            np.save(taps_dir / f"{i}.npy", np.concatenate(res.taps))
-            res.taps = []
+            np.save(taps_dir / f"{i}.npy", taps.take(event.request))
             f.write(json.dumps({"index": i, "domain": rows[i].get("domain"), "prompt_ids": res.prompt_ids,
                                 "response_ids": res.token_ids, "stopped": res.stopped,
                                 "tap_ids": rt.manifest.draft["target_layer_ids"]}) + "\n")
@@ -139,11 +140,12 @@ def compute_taps(bundle: Path, out_path: Path, rows: list[dict], limit: int | No
     for start in range(0, len(todo), chunk):
         part = todo[start:start + chunk]
         seqs = [by_index[i]["prompt_ids"] + by_index[i]["response_ids"][:-1] for i in part]
-        dec = rt.decoder(seqs, DecodeOptions(max_new_tokens=1, policy="ar", batch_size=batch_size, record_taps=True))
-        for _ in dec:
+        taps = TapsLog()
+        for _ in rt.decoder(seqs, DecodeOptions(max_new_tokens=1, policy="ar", batch_size=batch_size),
+                            observers=[taps]):
             pass
-        for i, seq, res in zip(part, seqs, dec.results):
-            save_shared(taps_dir / f"{i}.npy", np.concatenate(res.taps)[:len(seq)])
+        for k, (i, seq) in enumerate(zip(part, seqs)):
+            save_shared(taps_dir / f"{i}.npy", taps.take(k)[:len(seq)])
             tokens += len(seq)
         if progress is not None:
             progress(len(part), tokens / max(time.perf_counter() - t0, 1e-9))

@@ -516,7 +516,7 @@ API_CASES = {
     "api policy fixed gamma float": lambda rt, b: options(policy=__import__("dspark.runtime", fromlist=["x"])
                                                           .VerifyPolicy("fixed", gamma=1.5)),
     "api policy a number": lambda rt, b: options(policy=3),
-    "api record_taps text": lambda rt, b: options(record_taps="yes"),
+    "api observer not one": lambda rt, b: rt.decoder([[1, 2]], observers=[print]),
     "api token ids as bytes": lambda rt, b: rt.generate([b"\x01\x02"]),
     "api token ids float": lambda rt, b: rt.generate([[1.5, 2]]),
     "api token ids bool": lambda rt, b: rt.generate([[True, 1]]),

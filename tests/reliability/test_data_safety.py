@@ -180,11 +180,17 @@ def test_api_values_are_refused_by_name():
 def test_deepspec_first_position_threshold_rule(bundle):
     from dspark.runtime import DecodeOptions, Runtime
 
+    from dspark.runtime.scheduler import RoundPlanner
+
     first = DecodeOptions(policy="static:0.5", threshold_rule="first")
-    cumulative = DecodeOptions(policy="static:0.5")
     survival = np.array([[0.9, 0.45, 0.4], [0.4, 0.39, 0.3], [0.9, 0.8, 0.3]])
-    assert first.cut(survival, np.zeros(3, np.int64)).tolist() == [3, 0, 2]  # own confidence 0.5, 0.89 / 0.4 / .375
-    assert cumulative.cut(survival, np.array([1, 0, 2])).tolist() == [1, 0, 2]  # the graph's cumulative choice
+    active = np.ones(3, dtype=bool)
+    first_rule = RoundPlanner(first.policy, 3, None, "first")
+    assert not first_rule.feeds(active)["threshold"].any()  # the graph lets every draft through
+    assert first_rule.after(survival, active, np.zeros(3, np.int64)).tolist() == [3, 0, 2]  # own conf. .5, .89/.4/.375
+    cumulative = RoundPlanner(first.policy, 3, None)
+    assert cumulative.after(survival, active, np.array([1, 0, 2])).tolist() == [1, 0, 2]  # the graph's choice
+    assert cumulative.after(survival, np.array([True, False, True]), np.array([1, 1, 2])).tolist() == [1, 0, 2]
     rt = Runtime(no_stop_bundle(bundle))
     prompts = [[1, 2, 3], [4, 1]]
     ar = [r.token_ids for r in rt.generate(prompts, DecodeOptions(max_new_tokens=30, policy="ar"))]

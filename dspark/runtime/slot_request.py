@@ -1,0 +1,38 @@
+"""One request as a batch slot decodes it, and what a slot holds (dspark.runtime.slots)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dspark.errors import DSparkError
+from dspark.noise import RequestNoise
+from dspark.runtime.results import RequestResult
+
+
+@dataclass(eq=False)
+class SlotRequest:
+    """One request as a slot decodes it. `id` names it in Events; `seed` and `stream` key its noise (a batch
+    decode numbers its requests 0..n-1 under one seed, the engine gives each its own seed and stream 0).
+    ar: decode autoregressively inside a drafting batch (no drafts verified; noise drawn as a plain step)."""
+
+    id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    stream: int = 0
+    ar: bool = False
+    result: RequestResult = field(init=False)
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise DSparkError("empty prompt: give at least one token")
+        self.result = RequestResult(prompt_ids=list(self.prompt_ids))
+
+
+@dataclass
+class Slot:
+    """What one batch slot holds besides its cache rows: the request and its noise generator (per-request decoding
+    state such as sampling parameters, logprobs or grammar state belongs here)."""
+
+    request: SlotRequest | None = None
+    noise: RequestNoise | None = None
