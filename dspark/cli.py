@@ -104,7 +104,8 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab,
 @click.option("--timing-cache", type=click.Path(path_type=Path),
               help="tensorrt: reuse and update this timing cache.")
 @click.option("--plugin", type=click.Path(path_type=Path),
-              help="Built C++ libdspark_trt_plugin.so (see README); default: the plugin registered from Python.")
+              help="Built C++ libdspark_trt_plugin.so (see docs/tensorrt.md); default: the plugin registered from "
+                   "Python.")
 def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabilities, runtime_cache,
               version_compatible, timing_cache, plugin):
     """Build TensorRT engines for BUNDLE (rtx: on any machine; tensorrt: on the GPU they will run on)."""

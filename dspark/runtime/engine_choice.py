@@ -3,7 +3,7 @@ Triton model and `Engine(runtime)` all start from here, and say what they chose 
 
 Policy: schedule+gate (Algorithm 1 over the batch, skipping drafting in rounds where it cannot pay) when the
 bundle holds an SPS table, the verifier's measured steps/s the scheduler needs; otherwise ar, which needs none.
-Slots: CPU_SLOTS on ONNX Runtime (the README's serving section says what 16 gained over 8), fewer where the caches
+Slots: CPU_SLOTS on ONNX Runtime (docs/serving.md says what 16 gained over 8), fewer where the caches
 of that many slots would not fit in half the memory available; a device backend's engines fix their own most.
 """
 from __future__ import annotations
