@@ -2,7 +2,6 @@
 (cancel, iterate deltas), the text deltas it is sent, and the observer interface the engine reports to."""
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from dspark.errors import DSparkError
+from dspark.runtime.options import check_seed, check_temperature, check_tokens
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 4
@@ -30,13 +30,9 @@ class RequestOptions:
     policy: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise DSparkError("max_tokens must be an integer of at least 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or not 0.0 <= self.temperature <= 100.0:
-            raise DSparkError("temperature must be a number in 0..100")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
-            raise DSparkError("seed must be an integer in 0..2**63-1")
+        check_tokens("max_tokens", self.max_tokens)
+        check_temperature(self.temperature)
+        check_seed(self.seed)
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
             raise DSparkError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
                               f"{MAX_STOP_CHARS} characters")

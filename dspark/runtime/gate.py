@@ -4,27 +4,26 @@ The prefix scheduler decides how many drafts to verify once they exist, when dra
 for. When the drafter is weak for the current load, no verification length recovers that cost and a plain
 verifier step (autoregressive decoding, verify_len 0: lossless) is faster. The gate makes that choice before
 the round from what it has seen: the mean calibrated prefix survival of recent drafted rounds, the measured
-draft + heads time, and the verifier's steps/s table. While it skips, it drafts anyway every `probe` rounds to
-refresh those estimates, backing off (x2, up to `max_probe`) while skipping keeps winning, separately for each
-number of live requests (whether drafting pays depends on it: a serving engine's batch that drains to a few requests
-where drafting pays must not restart the full batch's back-off, which cost 4 probes per refill). When even the best
-survival seen lately (a per-position envelope of the smoothed survival that fades by `envelope_decay` every round,
-drafted or skipped, so a lucky start such as the server's warm-up request stops counting after ~50 rounds rather
-than ~50 probes) could not pay at the current batch, probes wait `hopeless_probe` rounds, longer the further it is
-from paying: a probe that cannot change the decision is pure cost (at concurrency 8 on CPU one costs about two
-plain rounds, so probing every 32 rounds cost DSpark 2-4% against AR, every 128 rounds 1.8%).
+draft + heads time, and the verifier's steps/s table.
+
+While it skips, it drafts anyway every `probe` rounds to refresh those estimates, backing off (x2, up to
+`max_probe`) while skipping keeps winning, separately for each number of live requests (whether drafting pays
+depends on it: a batch that drains to a few requests where drafting pays must not restart the full batch's
+back-off). When even the best survival seen lately (a per-position envelope of the smoothed survival that fades
+by `envelope_decay` every round, drafted or skipped, so a lucky start stops counting after a few dozen rounds)
+could not pay at the current batch, probes wait `hopeless_probe` rounds, longer the further it is from paying: a
+probe that cannot change the decision is pure cost.
 
 The SPS table gives the verifier's cost curve as profiled once, on a quiet machine; the draft time is measured
-live. On a shared VM whose speed drifts (up to 1.8x here) that compares a live cost with a stale one, so the gate
-also times the verifier steps it sees and rescales the table by the smoothed ratio of measured to tabled time
-(the table's shape is kept: Algorithm 1's choice of lengths does not depend on its scale, the gate's does).
+live. On a machine whose speed drifts that compares a live cost with a stale one, so the gate also times the
+verifier steps it sees and rescales the table by the smoothed ratio of measured to tabled time (the table's
+shape is kept: Algorithm 1's choice of lengths does not depend on its scale, the gate's does).
 
 A loaded bundle keeps its gates between decodes (GateMemory): the serving engine's one gate lives as long as the
-engine, and `Runtime.generate` called once per request hands each decode the gate the previous one finished with.
-A fresh gate pays its cold start: drafted rounds at 1, 5, 13, 29 and 61 rounds before it has the evidence to
-probe rarely. On a drafter that cannot pay (GGUF blocks at batch 1: drafting + heads ~6 ms against a 12 ms step,
-0.03 accepted per round) that was 5-6 wasted drafts per 96-token request, 3% of DSpark's speed against AR. A
-gate for a batch size not seen before starts from the survival another batch size's gate learned (`inherit`).
+engine, and `Runtime.generate` called once per request hands each decode the gate the previous one finished with,
+so a drafter that cannot pay is not re-learned (a fresh gate drafts at rounds 1, 5, 13, 29 and 61 before it has
+the evidence to probe rarely). A gate for a batch size not seen before starts from the survival another batch
+size's gate learned (`inherit`). docs/policies.md has the measurements behind these choices.
 """
 from __future__ import annotations
 
@@ -121,10 +120,9 @@ class DraftGate:
         best survival seen lately could not pay at this batch, hopeless_probe times how many times slower than AR
         that best would commit (up to hopeless_factor): a drafter that would have to double its acceptance to pay
         is probed half as often. A few drafted rounds are no evidence that drafting cannot pay (a request's first
-        also consumes its whole prompt): going hopeless after one left 3 of 4 batch-1 requests on the fused
-        verifier undrafted after their first round. Evidence is not asked to wait for this count's own back-off:
-        under a closed loop the number of live requests keeps changing, and each new count backing off from
-        `probe` rounds cost a serving engine 4-9% against AR with a drafter that could not pay."""
+        also consumes its whole prompt). Evidence is not asked to wait for this count's own back-off: under a
+        closed loop the number of live requests keeps changing, and each new count would back off from `probe`
+        rounds again."""
         evidence = self.observed >= self.min_evidence  # not on a few rounds' word
         if self.skipped + 1 >= probe and evidence:
             faded = np.cumsum(self.best * self.envelope_decay ** self.since_observed)

@@ -36,9 +36,9 @@ class DecodeOptions:
         if not isinstance(self.policy, VerifyPolicy):
             raise DSparkError(f"policy must be a VerifyPolicy or its text, not {type(self.policy).__name__}")
         check_policy(self.policy)
-        _integer("max_new_tokens", self.max_new_tokens, 1)
-        check_number(self.temperature, "temperature", lo=0.0)
-        _integer("seed", self.seed, 0, (1 << 63) - 1)
+        check_tokens("max_new_tokens", self.max_new_tokens)
+        check_temperature(self.temperature)
+        check_seed(self.seed)
         if self.batch_size is not None:
             _integer("batch_size", self.batch_size, 1)
         if self.threshold_rule not in THRESHOLD_RULES:
@@ -53,6 +53,26 @@ class DecodeOptions:
 
 
 THRESHOLD_RULES = ("cumulative", "first")
+MAX_TEMPERATURE = 100.0  # beyond it a distribution is uniform to float precision
+
+
+# one validator per request value, for every way in (DecodeOptions, the engine's RequestOptions, HTTP, Triton, CLI)
+
+def check_tokens(name: str, value) -> int:
+    """A token budget (max_new_tokens, max_tokens): an integer of at least 1."""
+    return _integer(name, value, 1)
+
+
+def check_temperature(value) -> float:
+    """0 = greedy, up to MAX_TEMPERATURE."""
+    temperature = check_number(value, "temperature", lo=0.0)
+    if temperature > MAX_TEMPERATURE:
+        raise DSparkError(f"temperature must be at most {MAX_TEMPERATURE:g}, not {value!r}")
+    return temperature
+
+
+def check_seed(value) -> int:
+    return _integer("seed", value, 0, (1 << 63) - 1)
 
 
 def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
