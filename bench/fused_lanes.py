@@ -22,7 +22,7 @@ from common import dev_rows, machine, write_json
 
 def variant(bundle: Path, lanes: int, work: Path) -> Path:
     from dspark.bundle import Manifest
-    from dspark.export.ort_fused import add_fused_verifier
+    from dspark.export.twins.ort_fused import add_fused_verifier
     from dspark.files import linked_copy
 
     folder = work / f"{bundle.name}-lanes{lanes}"

@@ -39,12 +39,12 @@ import numpy as np
 from common import bandwidth_gb_s, machine, write_json
 from dspark.bundle import Manifest
 from dspark.calibration.sps import step_feeds
-from dspark.export.quantize import QuantizeOptions, quantize_bundle
-from dspark.export.agreement import spread
+from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
+from dspark.export.quantize.agreement import spread
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.kv import HostKV
-from dspark.export.ort_graphs import fuse_bundle
+from dspark.export.twins.ort_graphs import fuse_bundle
 from dspark.files import linked_copy
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend, OrtGraph, session_options

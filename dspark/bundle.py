@@ -51,7 +51,7 @@ class Manifest:
     sources: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)  # sts_temperatures, sps_table
     precision: str = "fp32"
-    quantized: dict[str, Any] = field(default_factory=dict)  # graph -> record of dspark.export.quantize
+    quantized: dict[str, Any] = field(default_factory=dict)  # graph -> record of dspark.export.quantize.bundle
     tensorrt: dict[str, Any] = field(default_factory=dict)  # engines, plugin, profiles of dspark-export build
     tools: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT

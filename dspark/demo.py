@@ -13,7 +13,7 @@ from pathlib import Path
 from dspark.bundle import Manifest, sha256_file
 from dspark.calibration.sps import ensure_sps_table
 from dspark.errors import DSparkError
-from dspark.export.twins import LABELS, missing_twins
+from dspark.export.twins.catalog import LABELS, missing_twins
 from dspark.extras import EXPORT
 from dspark.prompts import demo_prompts_path, read_prompts
 from dspark.resolve import DRAFTS, cache_dir, resolve_draft, resolve_target
@@ -104,8 +104,8 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
     bundle = plan.bundle
     if plan.convert:
         say(f"converting {DEMO_TARGET} + {DEMO_DRAFT} -> {bundle} (once; a few minutes on 2 cores)")
-        from dspark.export.onnx_export import export_bundle
-        from dspark.export.progress import Progress
+        from dspark.export.trace.onnx_export import export_bundle
+        from dspark.export.trace.progress import Progress
         from dspark.models.pair import load_pair
 
         progress = Progress(5)
@@ -114,7 +114,7 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
         # no check/ data: the demo checks its output against AR itself (`dspark-export onnx` records it)
         export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB, check_data=False)
     if plan.managed and heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
-        from dspark.export.quantize import quantize_graph
+        from dspark.export.quantize.bundle import quantize_graph
 
         quantize_graph(bundle, "heads")
     manifest = Manifest.read(bundle)
@@ -131,7 +131,7 @@ def add_missing_twins(bundle: Path, manifest: Manifest, say: Say) -> None:
         say(f"note: {bundle.name} has no {' or '.join(LABELS[m] for m in missing)} (faster on ONNX Runtime); adding "
             f"them needs onnx ({EXPORT}); decoding with its portable graphs")
         return
-    from dspark.export.ort_graphs import fuse_bundle
+    from dspark.export.twins.ort_graphs import fuse_bundle
 
     fuse_bundle(bundle, missing)
 

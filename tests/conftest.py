@@ -41,3 +41,28 @@ def smollm2_loaded_once():
 
     load_target("smollm2-135m")
     return True
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_bundle_v6):
+    """The tiny bundle loaded in this process (one thread): the engine tests and the serving tests."""
+    from dspark.runtime import Runtime
+
+    rt = Runtime(tiny_bundle_v6[3], threads=1)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_bundle_v6, tmp_path_factory):
+    """A copy of the tiny bundle whose manifest holds an SPS table."""
+    import shutil
+
+    from dspark.bundle import Manifest
+
+    folder = tmp_path_factory.mktemp("calibrated") / "bundle"
+    shutil.copytree(tiny_bundle_v6[3], folder)
+    manifest = Manifest.read(folder)
+    manifest.calibration["sps_table"] = [100.0 - i for i in range(8)]
+    manifest.write(folder)
+    return folder

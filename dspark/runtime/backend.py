@@ -127,8 +127,8 @@ class Backend(ABC):
     verifier: Graph
     draft: Graph
     heads: Graph
-    # the heads of rounds whose every live request is greedy, without the SAMPLING_INPUTS and SAMPLING_OUTPUTS
-    # (the verifier then takes zero draft probabilities: dspark.export.greedy_heads); None: `heads` takes every round
+    # the heads of rounds whose every live request is greedy, without the SAMPLING_INPUTS and SAMPLING_OUTPUTS (the
+    # verifier then takes zero draft probabilities: dspark.export.twins.greedy_heads); None: `heads` takes every round
     heads_greedy: Graph | None = None
 
     @abstractmethod

@@ -1,4 +1,4 @@
-"""The verifier of a bundle with a fused twin (dspark.export.ort_fused) on ONNX Runtime: which graph takes which
+"""The verifier of a bundle with a fused twin (dspark.export.twins.ort_fused) on ONNX Runtime: which graph takes which
 step, and the new K/V of a step that wrote them into the cache itself."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Graph(Protocol):
 
 
 def lane_name(lane: int, name: str) -> str:
-    """A fused graph's cache input or output for the request in `lane` (dspark.export.fused_lanes): lane 0 uses
+    """A fused graph's cache input or output for the request in `lane` (dspark.export.twins.fused_lanes): lane 0 uses
     the portable verifier's names."""
     return name if lane == 0 else f"lane{lane}.{name}"
 
@@ -30,7 +30,7 @@ def lane_count(inputs: list[str]) -> int:
 
 
 class FusedVerifier:
-    """The verifier as the fused graph (dspark.export.ort_fused) where ONNX Runtime's GroupQueryAttention takes
+    """The verifier as the fused graph (dspark.export.twins.ort_fused) where ONNX Runtime's GroupQueryAttention takes
     the step, else the portable graph; callers see the portable verifier's outputs.
 
     - prefill (no valid past in any row): the fused graph on an empty past; its present.* are the new K/V.
@@ -38,7 +38,7 @@ class FusedVerifier:
       (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
     - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
 
-    A fused graph with lanes (dspark.export.fused_lanes) takes every step of up to `lanes` requests itself, each
+    A fused graph with lanes (dspark.export.twins.fused_lanes) takes every step of up to `lanes` requests itself, each
     request's cache bound in place to its lane (more requests run in groups); the rules above and below are for a
     graph built before lanes.
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dspark.cli_options import WEIGHTS_OPTION, ort_weights
+from dspark.cli.options import WEIGHTS_OPTION, ort_weights
 
 POLICY_HELP = ("The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate); "
                "auto (the default): schedule+gate when the bundle has an SPS table, else ar.")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dspark.errors import DSparkError
-from dspark.export.onnx_export import export_bundle
+from dspark.export.trace.onnx_export import export_bundle
 from dspark.models.checkpoint import load_draft, save_draft
 from dspark.models.draft_vocab import rank_tokens, shortlist, write_ranking
 from dspark.models.drafter import DSparkDrafter

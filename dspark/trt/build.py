@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from dspark.bundle import GRAPHS, Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.passes import cast_matmuls
+from dspark.export.trace.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.ops.kernels import archs_for, build_kernel
 from dspark.trt import network_checks as checks

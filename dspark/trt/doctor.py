@@ -146,7 +146,7 @@ def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest, lint: b
     the PyTorch reference. Either is skipped, naming what to install, where the export extra is missing."""
     if lint:
         try:
-            from dspark.export.trt_lint import lint_bundle
+            from dspark.export.check.trt_lint import lint_bundle
 
             findings = lint_bundle(bundle, manifest)
             report.add("TensorRT operator lint", "ok" if not findings else "fail",
@@ -155,7 +155,7 @@ def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest, lint: b
         except ModuleNotFoundError as e:
             report.add("TensorRT operator lint", "skipped", install_hint(e) or str(e))
     try:
-        from dspark.export.check import check_bundle
+        from dspark.export.check.parity import check_bundle
 
         ort = check_bundle(bundle)
         report.add("ONNX Runtime vs PyTorch reference", "ok" if ort.passed else "fail",

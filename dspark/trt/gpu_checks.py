@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.bundle import Manifest
-from dspark.export.check import CAPTURE, CHECK_DIR, compare_outputs
+from dspark.export.check.parity import CAPTURE, CHECK_DIR, compare_outputs
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import Backend, create_backend
 from dspark.trt.backend import TrtBackend

@@ -116,7 +116,7 @@ def test_export_draft_that_does_not_fit(tmp_path, smollm2_loaded_once):
 
 
 def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch, tiny_bundle_v6):
-    import dspark.export.onnx_export as ox
+    import dspark.export.trace.onnx_export as ox
     from dspark.models.pair import Pair
     from support.tiny import TinyLoaded
 

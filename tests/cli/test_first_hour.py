@@ -151,7 +151,7 @@ def test_gguf_cache_is_keyed_by_content_and_config_has_no_null_quantization(tmp_
 
 
 def test_export_progress_reports_elapsed_time_on_long_steps(capsys):
-    from dspark.export.progress import Progress
+    from dspark.export.trace.progress import Progress
 
     progress = Progress(2, after=0.2, every=0.2)
     with progress.step("a long step"):
@@ -169,7 +169,7 @@ def test_export_progress_reports_elapsed_time_on_long_steps(capsys):
 
 
 def test_check_comparison_raises_no_stray_warning():
-    from dspark.export.check import compare_outputs
+    from dspark.export.check.parity import compare_outputs
 
     counts = {"verify_len": np.zeros(4, np.int64)}  # polygraphy divides these 0 by 0 for its relative error
     with warnings.catch_warnings():

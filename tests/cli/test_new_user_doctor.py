@@ -39,7 +39,7 @@ def test_doctor_without_build_never_writes_into_the_bundle(bundle):
 
 
 def test_doctor_on_a_quantized_cpu_bundle_notes_once_that_tensorrt_cannot_build_it(bundle):
-    from dspark.export.quantize import quantize_graph
+    from dspark.export.quantize.bundle import quantize_graph
 
     quantize_graph(bundle, "heads", min_elements=0)  # real MatMulNBits nodes, as in the demo's 8-bit heads
     before = snapshot(bundle)
@@ -111,7 +111,7 @@ def test_doctor_and_export_commands_without_torch_or_onnx_name_what_to_install(b
 def test_the_demo_converts_without_check_data_and_says_what_its_silent_pass_is(bundle, tmp_path, monkeypatch):
     """The demo never runs `dspark-export check`, so its conversion skips the reference recording (the longest step
     of the first run); its autoregressive comparison pass prints no text, so it says that it is running."""
-    import dspark.export.onnx_export as onnx_export
+    import dspark.export.trace.onnx_export as onnx_export
     import dspark.models.pair as pair
     from dspark.demo import DemoPlan, ensure_demo_bundle
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dspark.export.graphs as graphs
-from dspark.export.check import check_bundle
-from dspark.export.onnx_export import export_graph, verifier_example
-from dspark.export.trt_lint import lint_bundle
+from dspark.export.check.parity import check_bundle
+from dspark.export.trace.onnx_export import export_graph, verifier_example
+from dspark.export.check.trt_lint import lint_bundle
 from dspark.models.pair import Pair
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
@@ -115,7 +115,7 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
 def test_trt_lint_is_clean_and_flags_unsupported_graphs(tiny, tmp_path):
     from onnx import TensorProto, helper
 
-    from dspark.export.trt_lint import lint_model
+    from dspark.export.check.trt_lint import lint_model
 
     assert lint_bundle(tiny[3]) == []
     x = helper.make_tensor_value_info("x", TensorProto.INT64, [2, 3])

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from dspark.errors import DSparkError
-from dspark.export.check import check_bundle
-from dspark.export.onnx_export import export_bundle
-from dspark.export.passes import cast_matmuls
+from dspark.export.check.parity import check_bundle
+from dspark.export.trace.onnx_export import export_bundle
+from dspark.export.trace.passes import cast_matmuls
 from dspark.models.pair import load_pair
 from support.tiny import tiny_hf, tiny_tokenizer_folder
 
@@ -208,7 +208,7 @@ def test_weight_store_drops_queued_writes_when_the_export_fails(tmp_path):
 
     import numpy as np
 
-    from dspark.export.weights import WeightStore
+    from dspark.export.trace.weights import WeightStore
 
     started, release, read = threading.Event(), threading.Event(), []
 

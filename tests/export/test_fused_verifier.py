@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.ort_fused import FUSED_FILE, LANES, add_fused_verifier
-from dspark.export.ort_graphs import TWINS, fuse_bundle
-from dspark.export.quantize import QuantizeOptions, quantize_bundle
+from dspark.export.twins.ort_fused import FUSED_FILE, LANES, add_fused_verifier
+from dspark.export.twins.ort_graphs import TWINS, fuse_bundle
+from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
 from dspark.files import linked_copy
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.decoder import Decoder
@@ -251,7 +251,7 @@ def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch)
 def test_a_low_precision_bundle_gets_a_fused_verifier(tmp_path, precision):
     """Weights stored at bf16/fp16 (Casts in the portable graph, the embedding's rows widened after the lookup):
     the fused verifier takes them, packed or mapped, and decodes the portable verifier's tokens."""
-    from dspark.export.onnx_export import export_bundle
+    from dspark.export.trace.onnx_export import export_bundle
     from dspark.models.pair import Pair
     from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
 

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.check import check_bundle
-from dspark.export.greedy_heads import GREEDY_FILE, greedy_heads
-from dspark.export.onnx_export import export_bundle
-from dspark.export.ort_graphs import TWINS, fuse_bundle
-from dspark.export.quantize import quantize_graph
+from dspark.export.check.parity import check_bundle
+from dspark.export.twins.greedy_heads import GREEDY_FILE, greedy_heads
+from dspark.export.trace.onnx_export import export_bundle
+from dspark.export.twins.ort_graphs import TWINS, fuse_bundle
+from dspark.export.quantize.bundle import quantize_graph
 from dspark.files import linked_copy
 from dspark.models.pair import Pair
 from dspark.runtime import DecodeOptions, Runtime

@@ -8,8 +8,8 @@ import pytest
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.export.check import check_bundle
-from dspark.export.quantize import quantize_graph
+from dspark.export.check.parity import check_bundle
+from dspark.export.quantize.bundle import quantize_graph
 from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
 from test_bundle_tiny import PROMPT, SAMPLES, V, prompts
@@ -116,8 +116,8 @@ def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp
     import os
 
     from dspark.bundle import WEIGHTS, sha256_file
-    from dspark.export.quantize import QuantizeOptions, quantize_bundle
-    from dspark.export.weight_stream import compact
+    from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
+    from dspark.export.quantize.weight_stream import compact
 
     q = tmp_path / "q"
     shutil.copytree(tiny_bundle_v6[3], q)

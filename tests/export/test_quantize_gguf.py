@@ -10,10 +10,10 @@ from gguf.quants import dequantize, quantize
 from onnx import helper, numpy_helper
 
 from dspark.errors import DSparkError
-from dspark.export.gguf_blocks import FORMATS as ALL_FORMATS
-from dspark.export.gguf_blocks import VALUE_RANGE, GgufMatrix, read_matrices, sub_blocks, to_nbits
-from dspark.export.gguf_map import match_weights, row_hashes
-from dspark.export.nbits_graph import NBitsWriter, constant_matmul_weights, probe_weight
+from dspark.export.quantize.gguf_blocks import FORMATS as ALL_FORMATS
+from dspark.export.quantize.gguf_blocks import VALUE_RANGE, GgufMatrix, read_matrices, sub_blocks, to_nbits
+from dspark.export.quantize.gguf_map import match_weights, row_hashes
+from dspark.export.quantize.nbits_graph import NBitsWriter, constant_matmul_weights, probe_weight
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 

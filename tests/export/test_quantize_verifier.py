@@ -17,9 +17,9 @@ from onnx import numpy_helper
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.agreement import LogitsGraph, logits_name
-from dspark.export.nbits_graph import constant_matmul_weights
-from dspark.export.quantize import QuantizeOptions, gguf_source, quantize_bundle
+from dspark.export.quantize.agreement import LogitsGraph, logits_name
+from dspark.export.quantize.nbits_graph import constant_matmul_weights
+from dspark.export.quantize.bundle import QuantizeOptions, gguf_source, quantize_bundle
 from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue
 from test_bundle_tiny import PROMPT, V, prompts
@@ -176,7 +176,7 @@ def test_a_reference_too_big_to_pack_is_scored_mapped_one_verifier_at_a_time(ggu
     mapped, on the quantized bundle's own greedy text, and never beside the quantized verifier."""
     import weakref
 
-    from dspark.export import agreement
+    from dspark.export.quantize import agreement
 
     fp32, q, _ = gguf_bundle
     live, modes = weakref.WeakSet(), {}

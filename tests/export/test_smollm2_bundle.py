@@ -18,7 +18,7 @@ N_PROMPTS, NEW_TOKENS = 10, 128
 @pytest.fixture(scope="session")
 def smollm2_bundle(tmp_path_factory):
     """SmolLM2 with the demo drafter shipped in the package (its target is the same as the reference's)."""
-    from dspark.export.onnx_export import export_bundle
+    from dspark.export.trace.onnx_export import export_bundle
     from dspark.models.pair import load_pair
 
     pair = load_pair("smollm2-135m", "smollm2-135m-dspark")
@@ -44,7 +44,7 @@ def test_ort_dspark_equals_ort_ar_equals_pytorch_reference(smollm2, smollm2_bund
 
 
 def test_check_and_trt_lint_pass(smollm2_bundle):
-    from dspark.export.check import check_bundle, format_report
+    from dspark.export.check.parity import check_bundle, format_report
 
     rep = check_bundle(smollm2_bundle, trt_lint=True)
     assert rep.passed, format_report(rep)
@@ -67,7 +67,7 @@ def test_the_fused_verifier_at_batch_1_fp32_and_gguf_blocks(smollm2, smollm2_bun
     """Batch 1 runs every step on the fused verifier (GroupQueryAttention, SkipSimplifiedLayerNormalization,
     concatenated MatMulNBits): greedy DSpark equals its own AR, and the fp32 one equals PyTorch."""
     from dspark.bundle import Manifest
-    from dspark.export.quantize import QuantizeOptions, quantize_bundle
+    from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
     from dspark.files import linked_copy
     from dspark.runtime.fused_verifier import FusedVerifier
     from dspark.runtime.ort_backend import OrtBackend

@@ -9,8 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dspark.export import onnx_export
 from dspark.export.stamp import DOMAIN, LayerStack
+from dspark.export.trace import onnx_export
 from dspark.models.pair import Pair
 from support.tiny import TinyLoaded, tiny_pair, tiny_tokenizer_folder
 

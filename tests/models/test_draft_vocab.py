@@ -8,8 +8,8 @@ import torch
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.export.check import check_bundle
-from dspark.export.onnx_export import export_bundle
+from dspark.export.check.parity import check_bundle
+from dspark.export.trace.onnx_export import export_bundle
 from dspark.models.draft_vocab import FILE, rank_tokens, read_ranking, shortlist, write_ranking
 from dspark.models.pair import Pair
 from dspark.runtime import DecodeOptions, Runtime

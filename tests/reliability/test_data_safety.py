@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.bundle import Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.onnx_export import check_replaceable
+from dspark.export.trace.onnx_export import check_replaceable
 from dspark.files import Temporary, replace_folder
 from dspark.models.checkpoint import load_draft, save_draft
 from reliability.conftest import tree_hashes
@@ -53,7 +53,7 @@ def test_replace_folder_swaps_in_one_step_and_leaves_no_temporary(tmp_path):
 def test_quantize_replaces_graph_data_and_manifest_as_a_set(bundle, tmp_path, monkeypatch):
     import onnx
 
-    from dspark.export import quantize
+    from dspark.export.quantize import bundle as quantize
 
     before = tree_hashes(bundle)
     real_save = onnx.save

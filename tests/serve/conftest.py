@@ -1,17 +1,7 @@
 """Servers for the serving tests: one `dspark serve` per test module, on 127.0.0.1."""
 import pytest
 
-from dspark.runtime import Runtime
-
 from serve_support import start_server
-
-
-@pytest.fixture(scope="module")
-def runtime(tiny_bundle_v6):
-    """The tiny bundle loaded in this process (one thread)."""
-    rt = Runtime(tiny_bundle_v6[3], threads=1)
-    yield rt
-    rt.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,21 +4,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from support.polling import wait_until
+
 READY_WAIT_S = 120  # a bound, not a measurement: a server that never gets ready fails the test
-
-
-def wait_until(condition, timeout: float = 60.0, every: float = 0.05) -> bool:
-    """Poll `condition` until it holds or `timeout` seconds pass (a bound on waiting, not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(every)
-    return condition()
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.export.onnx_export import export_bundle
+from dspark.export.trace.onnx_export import export_bundle
 from dspark.models.config import TargetConfig, draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
 from dspark.models.pair import Pair

@@ -81,7 +81,7 @@ def test_recorded_inputs_padded_to_the_engine_capacity_give_the_same_outputs(tin
     """doctor replays ONNX Runtime's recorded inputs on engines with caches bound at --max-context."""
     import numpy as np
 
-    from dspark.export.check import CAPTURE, CHECK_DIR
+    from dspark.export.check.parity import CAPTURE, CHECK_DIR
     from dspark.runtime.ort_backend import OrtBackend
     from dspark.trt.profiles import pad_capacity
 

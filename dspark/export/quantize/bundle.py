@@ -4,9 +4,9 @@ At batch 1 every graph is bound by reading its weights; MatMulNBits reads 4- or 
 
 - verifier: it defines the output, so a quantized verifier *is* the model decoded; DSpark stays exact with respect
   to it (greedy DSpark equals its own autoregressive output, sampling follows its distribution). For a GGUF target
-  it keeps the file's own blocks where MatMulNBits can hold them (dspark.export.gguf_blocks: Q4_0 ... Q8_0 and the
-  K-quants Q2_K ... Q6_K exactly, the asymmetric formats with a per-block minimum term), i.e. the model the user
-  chose rather than a requantization of its fp32
+  it keeps the file's own blocks where MatMulNBits can hold them (dspark.export.quantize.gguf_blocks: Q4_0 ... Q8_0
+  and the K-quants Q2_K ... Q6_K exactly, the asymmetric formats with a per-block minimum term), i.e. the model the
+  user chose rather than a requantization of its fp32
   dequantization. Other weights go through onnxruntime's quantizer (round to nearest, --bits, --block-size).
   Its top-1 agreement with the fp32 verifier on a few prompts is measured and stored.
 - draft, heads: the draft side never changes the tokens a request gets (verification uses the distribution the
@@ -27,13 +27,13 @@ from onnxruntime.capi import _pybind_state as ort_kernels
 
 from dspark.bundle import WEIGHTS, Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.agreement import measure_agreement
-from dspark.export.gguf_blocks import Q4_1_MODES, NBitsWeight, read_matrices, to_nbits
-from dspark.export.gguf_map import match_weights
-from dspark.export.ort_fused import forget_step_costs
-from dspark.export.ort_graphs import rebuild_twins
-from dspark.export.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
-from dspark.export.weight_stream import DataSink, StoredWeights, compact
+from dspark.export.quantize.agreement import measure_agreement
+from dspark.export.quantize.gguf_blocks import Q4_1_MODES, NBitsWeight, read_matrices, to_nbits
+from dspark.export.quantize.gguf_map import match_weights
+from dspark.export.quantize.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
+from dspark.export.quantize.weight_stream import DataSink, StoredWeights, compact
+from dspark.export.twins.ort_fused import forget_step_costs
+from dspark.export.twins.ort_graphs import rebuild_twins
 from dspark.files import atomic_folder, linked_copy, normal_mode
 
 QUANTIZABLE = ("verifier", "draft", "heads")
@@ -102,7 +102,7 @@ def _level(opts: QuantizeOptions, graph: str, bits: int, head: bool, fused: bool
     fp32 path is tens of times slower. They are also what llama.cpp does (its K-quant and Q4_0 dot products
     quantize activations to 8 bits). But rounding activations turns a kernel's last-bit differences between a
     1-position and a k-position step into different tokens unless every step computes a position alike, which
-    only the fused verifier does (dspark.export.ort_fused._PadToTwo; several requests then run one by one). So a
+    only the fused verifier does (dspark.export.twins.ort_fused._PadToTwo; several requests then run one by one). So a
     verifier with no fused twin keeps fp32 activations in its layers, and a verifier with one rounds them; the
     top-1 agreement with fp32 that quantize measures shows what that costs."""
     asked = opts.head_accuracy_level if head else opts.accuracy_level
@@ -215,7 +215,7 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
 
 def _name_by_weight(weights: list[ConstWeight]) -> None:
     """Name each MatMul after its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
-    the MatMulNBits nodes replacing them keep the name, which is how dspark.export.ort_fused finds projections."""
+    the MatMulNBits nodes replacing them keep the name, which is how dspark.export.twins.ort_fused finds projections."""
     taken: set[str] = set()
     for w in weights:
         name = f"{w.source}.matmul"

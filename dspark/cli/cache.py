@@ -1,4 +1,4 @@
-"""`dspark cache list|clear`: what dspark keeps in its cache folder (added to `dspark` by dspark/cli.py)."""
+"""`dspark cache list|clear`: what dspark keeps in its cache folder (added to `dspark` by dspark/cli/main.py)."""
 from __future__ import annotations
 
 import click

@@ -10,7 +10,7 @@ from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.engine import Engine, EngineClosed, EngineOptions, QueueFull
 from dspark.runtime.engine_request import RequestOptions
 
-from serve_support import wait_until
+from support.polling import wait_until
 
 PROMPTS = [[1, 2, 3], [2, 2, 4, 1], [3], [4, 1, 1, 2, 3, 2], [0, 4], [2, 3, 1, 1]]
 

@@ -1,9 +1,9 @@
 """The projections of a portable verifier and their copies in the fused one.
 
 A projection is found by the module path its weight (fp32 MatMul) or node (MatMulNBits, named by
-dspark.export.quantize after the MatMul it replaced) carries. Projections that read the same activation and are all
-MatMulNBits alike (q/k/v; gate/up) become one MatMulNBits over their concatenated blocks: one kernel call and one
-Q4_1 minimum term instead of three or two. Other projections are copied as they stand.
+dspark.export.quantize.bundle after the MatMul it replaced) carries. Projections that read the same activation and
+are all MatMulNBits alike (q/k/v; gate/up) become one MatMulNBits over their concatenated blocks: one kernel call and
+one Q4_1 minimum term instead of three or two. Other projections are copied as they stand.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import onnx
 from onnx import numpy_helper
 
 from dspark.errors import DSparkError
+from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex
 from dspark.schema import contained
-from dspark.export.graph_copy import GraphBuilder, GraphIndex
 
 MS = "com.microsoft"
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -16,15 +16,15 @@ import torch
 from dspark import __version__
 from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
 from dspark.errors import DSparkError
+from dspark.export.check.parity import record_check_data
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
-from dspark.export.check import record_check_data
-from dspark.export.ort_graphs import add_twins
-from dspark.export.passes import optimize_graph
-from dspark.export.progress import Background, Progress
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
-from dspark.export.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
-from dspark.export.weights import WeightStore, module_values, traced_on_meta
+from dspark.export.trace.passes import optimize_graph
+from dspark.export.trace.progress import Background, Progress
+from dspark.export.trace.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
+from dspark.export.trace.weights import WeightStore, module_values, traced_on_meta
+from dspark.export.twins.ort_graphs import add_twins
 from dspark.files import Temporary, replace_folder
 from dspark.models.draft_vocab import read_ranking, shortlist
 from dspark.models.pair import Pair

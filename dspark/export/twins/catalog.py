@@ -1,5 +1,5 @@
-"""Which of ONNX Runtime's twin graphs (dspark.export.ort_graphs) a bundle can have and which it lacks, read from
-its manifest alone: no onnx import, so a torch-free runtime install can ask without the export extra."""
+"""Which of ONNX Runtime's twin graphs (dspark.export.twins.ort_graphs) a bundle can have and which it lacks, read
+from its manifest alone: no onnx import, so a torch-free runtime install can ask without the export extra."""
 from __future__ import annotations
 
 from dspark.bundle import Manifest

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import torch
 
 from dspark.errors import DSparkError
-from dspark.export.weights import INLINE_BYTES, IR, WeightStore, to_numpy
+from dspark.export.trace.weights import INLINE_BYTES, IR, WeightStore, to_numpy
 from dspark.models.tensors import stored_low
 
 ORIGIN = "dspark.origin"

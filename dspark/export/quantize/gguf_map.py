@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from dspark.export.gguf_blocks import GgufMatrix
-from dspark.export.nbits_graph import ConstWeight
+from dspark.export.quantize.gguf_blocks import GgufMatrix
+from dspark.export.quantize.nbits_graph import ConstWeight
 
 _MULTIPLIERS = np.random.default_rng(20260).integers(1, 1 << 63, size=1 << 16, dtype=np.uint64) | np.uint64(1)
 

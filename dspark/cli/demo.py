@@ -1,5 +1,5 @@
-"""`dspark demo` (added to `dspark` by dspark/cli.py): parse and print; the flow is dspark/demo.py, imported when the
-command runs so that `--help` stays instant."""
+"""`dspark demo` (added to `dspark` by dspark/cli/main.py): parse and print; the flow is dspark/demo.py, imported when
+the command runs so that `--help` stays instant."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,5 @@
 """`dspark-export quantize`: weight-only MatMulNBits for a bundle's graphs (added to `dspark-export` by
-dspark/cli.py; the quantizer itself loads inside the command)."""
+dspark/cli/main.py; the quantizer itself loads inside the command)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +43,8 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
     Verifier: DSpark stays exact with respect to the quantized verifier; its top-1 agreement with fp32 is
     measured and stored in the manifest."""
     from dspark.bundle import Manifest
-    from dspark.export.ort_fused import unfusable
-    from dspark.export.quantize import QuantizeOptions, describe_record, quantize_bundle
+    from dspark.export.twins.ort_fused import unfusable
+    from dspark.export.quantize.bundle import QuantizeOptions, describe_record, quantize_bundle
 
     names = [g.strip() for g in graph_list.split(",") if g.strip()] if graph_list else []
     opts = QuantizeOptions(bits=bits, head_bits=head_bits, block_size=block_size, accuracy_level=accuracy_level,
@@ -70,7 +70,7 @@ def fuse_cmd(bundle, rebuild):
     greedy heads (all-greedy rounds skip the sampling machinery). `dspark run` uses them on CPU; TensorRT builds
     keep the portable graphs."""
     from dspark.bundle import Manifest
-    from dspark.export.ort_graphs import fuse_bundle, possible_twins
+    from dspark.export.twins.ort_graphs import fuse_bundle, possible_twins
     from dspark.runtime.fused_verifier import lane_count
 
     manifest = Manifest.read(bundle)

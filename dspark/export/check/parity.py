@@ -24,8 +24,8 @@ from polygraphy.logger import G_LOGGER
 
 from dspark.bundle import Manifest, check_reference
 from dspark.errors import DSparkError
+from dspark.export.check.trt_lint import lint_bundle
 from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
-from dspark.export.trt_lint import lint_bundle
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import SAMPLING_OUTPUTS

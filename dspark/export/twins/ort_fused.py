@@ -11,7 +11,7 @@ weight or node carries, so the fused graph uses the same weights, at the same of
 embedding lookup and everything after the final norm (LM head, in-graph acceptance) are copied unchanged.
 
 ONNX Runtime's CPU GroupQueryAttention takes several positions per request only at batch 1 (or with an empty
-past), so the graph runs each request's attention on its own, in lanes (dspark.export.fused_lanes): every other
+past), so the graph runs each request's attention on its own, in lanes (dspark.export.twins.fused_lanes): every other
 kernel takes all the step's rows at once. A graph built with one lane (as before lanes existed) runs batch-1 steps,
 one-position steps and prefills, and the runtime takes the portable verifier for the rest
 (dspark.runtime.fused_verifier.FusedVerifier).
@@ -26,12 +26,12 @@ from onnx import TensorProto, helper
 
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.fused_lanes import Lanes, lane_inputs, rope_tables
-from dspark.export.fused_linears import ROLES, Linear, Projections, find_linears
-from dspark.export.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.export.graphs import past_names
-from dspark.export.nbits_graph import resolve
-from dspark.export.twins import unfusable
+from dspark.export.quantize.nbits_graph import resolve
+from dspark.export.twins.catalog import unfusable
+from dspark.export.twins.fused_lanes import Lanes, lane_inputs, rope_tables
+from dspark.export.twins.fused_linears import ROLES, Linear, Projections, find_linears
+from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, load_skeleton
 from dspark.files import normal_mode
 
 MS = "com.microsoft"

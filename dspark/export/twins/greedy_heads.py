@@ -22,7 +22,7 @@ from onnx import helper
 
 from dspark.bundle import GraphSpec, Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.graph_copy import load_skeleton
+from dspark.export.twins.graph_copy import load_skeleton
 from dspark.files import normal_mode
 from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS
 

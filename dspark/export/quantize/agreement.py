@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 
 from dspark.bundle import Manifest
-from dspark.export.nbits_graph import vocab_matmul_output
+from dspark.export.quantize.nbits_graph import vocab_matmul_output
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.ort_backend import session_options, weights_mode

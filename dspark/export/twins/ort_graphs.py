@@ -1,7 +1,8 @@
 """ONNX Runtime's own graphs of a bundle: twins of portable graphs built with what only ONNX Runtime runs.
 
-  verifier_fused  the verifier with fused CPU operators (dspark.export.ort_fused)
-  heads_greedy    the draft heads of all-greedy rounds, without the sampling machinery (dspark.export.greedy_heads)
+  verifier_fused  the verifier with fused CPU operators (dspark.export.twins.ort_fused)
+  heads_greedy    the draft heads of all-greedy rounds, without the sampling machinery
+                  (dspark.export.twins.greedy_heads)
 
 Each is rewritten from its portable graph, shares its weights, and is optional: a bundle without one runs its
 portable graph. `dspark-export onnx` adds them, `dspark-export fuse` adds them to an older bundle, and quantizing a
@@ -15,9 +16,9 @@ from typing import Callable
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.export.greedy_heads import add_greedy_heads
-from dspark.export.ort_fused import add_fused_verifier, forget_step_costs
-from dspark.export.twins import LABELS, POSSIBLE, missing_twins, possible_twins, unfusable
+from dspark.export.twins.catalog import LABELS, POSSIBLE, missing_twins, possible_twins, unfusable
+from dspark.export.twins.greedy_heads import add_greedy_heads
+from dspark.export.twins.ort_fused import add_fused_verifier, forget_step_costs
 from dspark.files import atomic_folder, linked_copy
 
 # twin: (the portable graph it is built from, whether this bundle can have it, builder)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from dspark.cli_cache import cache_group
-from dspark.cli_demo import demo_cmd
-from dspark.cli_options import WEIGHTS_OPTION, ort_weights
-from dspark.cli_quantize import fuse_cmd, quantize_cmd
+from dspark.cli.cache import cache_group
+from dspark.cli.demo import demo_cmd
+from dspark.cli.options import WEIGHTS_OPTION, ort_weights
+from dspark.cli.quantize import fuse_cmd, quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
 from dspark.serve.commands import serve_cmd, triton_cmd  # click only: the server loads inside the command
@@ -69,8 +69,8 @@ def export_cli():
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, precision, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
-    from dspark.export.onnx_export import check_replaceable, export_bundle
-    from dspark.export.progress import Progress
+    from dspark.export.trace.onnx_export import check_replaceable, export_bundle
+    from dspark.export.trace.progress import Progress
 
     check_replaceable(output, force)
     progress = Progress(5 if no_check else 6, quiet)
@@ -132,7 +132,7 @@ def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
 
     if lint_only:
         from dspark.bundle import Manifest
-        from dspark.export.trt_lint import lint_bundle
+        from dspark.export.check.trt_lint import lint_bundle
 
         findings = [asdict(f) for f in lint_bundle(bundle, Manifest.read(bundle))]
         if as_json:
@@ -142,7 +142,7 @@ def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
                 click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
             click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
         sys.exit(0 if not findings else 1)
-    from dspark.export.check import check_bundle, format_report
+    from dspark.export.check.parity import check_bundle, format_report
 
     rep = check_bundle(bundle, trt_lint=trt_lint, weights=weights)
     click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
@@ -386,7 +386,3 @@ export_cli.add_command(quantize_cmd)
 export_cli.add_command(fuse_cmd)
 main_cli.add_command(cache_group)
 main_cli.add_command(demo_cmd)
-
-
-if __name__ == "__main__":
-    main_cli()

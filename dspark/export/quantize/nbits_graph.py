@@ -15,8 +15,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from dspark.export.gguf_blocks import NBitsWeight
-from dspark.export.weight_stream import StoredWeights
+from dspark.export.quantize.gguf_blocks import NBitsWeight
+from dspark.export.quantize.weight_stream import StoredWeights
 
 PASS_THROUGH = ("Transpose", "Cast", "Identity")
 MS_DOMAIN = "com.microsoft"

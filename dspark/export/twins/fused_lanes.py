@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from dspark.export.graph_copy import GraphBuilder
+from dspark.export.twins.graph_copy import GraphBuilder
 from dspark.runtime.fused_verifier import lane_name
 
 MS = "com.microsoft"

@@ -1,31 +1,14 @@
-"""The engine's defaults: batch slots and policy chosen from the bundle, the backend and the memory available,
-and said at startup; what a user names is kept."""
-import shutil
-
+"""The engine's defaults: batch slots and policy chosen from the bundle, the backend and the memory available;
+what a user names is kept (tests/serve/test_serve_choice.py: what the server says and passes on)."""
 import pytest
 
-from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.runtime import Runtime
 from dspark.runtime.engine import Engine, EngineOptions
 from dspark.runtime.engine_choice import CPU_SLOTS, choose_batch, choose_policy, slot_bytes
 from dspark.runtime.scheduler import VerifyPolicy
-from dspark.serve.triton import TritonModel
-
-from serve_support import start_server
 
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def calibrated(tiny_bundle_v6, tmp_path_factory):
-    """A copy of the tiny bundle whose manifest holds an SPS table."""
-    folder = tmp_path_factory.mktemp("calibrated") / "bundle"
-    shutil.copytree(tiny_bundle_v6[3], folder)
-    manifest = Manifest.read(folder)
-    manifest.calibration["sps_table"] = [100.0 - i for i in range(8)]
-    manifest.write(folder)
-    return folder
 
 
 def test_slot_bytes_are_what_a_slot_allocates(runtime):
@@ -76,23 +59,3 @@ def test_policy_text_auto_and_objects():
     with pytest.raises(DSparkError, match="batch_size"):
         EngineOptions(batch_size=0)
 
-
-def test_triton_parameters_leave_the_choice_to_the_model_by_default(tmp_path):
-    params = TritonModel(bundle=tmp_path).parameters()
-    assert (params["batch_size"], params["policy"]) == ("auto", "auto")
-    named = TritonModel(bundle=tmp_path, batch_size=2, policy="schedule+gate").parameters()
-    assert (named["batch_size"], named["policy"]) == ("2", "schedule+gate")
-    with pytest.raises(DSparkError):
-        TritonModel(bundle=tmp_path, policy="sometimes").parameters()
-
-
-def test_serve_says_what_it_chose_at_startup(calibrated, tmp_path):
-    server = start_server(calibrated, tmp_path / "server.log", "--model-name", "tiny")
-    try:
-        metrics = server.get("/metrics").text
-    finally:
-        assert server.stop() == 0
-    log = server.log.read_text()
-    assert f"dspark serve: {CPU_SLOTS} batch slots (the CPU default" in log
-    assert "policy schedule+gate (the bundle's SPS table covers 8 batch tokens)" in log
-    assert f"dspark_slots {CPU_SLOTS:.1f}" in metrics

@@ -1,0 +1,1 @@
+"""Weight-only quantization of bundle graphs (MatMulNBits; a GGUF target keeps its blocks): `dspark-export quantize`."""
