@@ -13,7 +13,7 @@ import click
 
 from dspark.cli.cache import cache_group
 from dspark.cli.demo import demo_cmd
-from dspark.cli.options import WEIGHTS_OPTION, ort_weights
+from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy
 from dspark.cli.quantize import fuse_cmd, quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
@@ -170,30 +170,30 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 1 << 20))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="Verify only the prefix whose calibrated survival reaches this value (0 = all).")
+@click.option("--policy", default="all", show_default=True,
+              help="How many drafts a round verifies, as `dspark bench` and `dspark serve` take it: ar | all | "
+                   "fixed:GAMMA | static:THRESHOLD | schedule | topk, each but ar optionally +gate (skip drafting in "
+                   "rounds where a plain verifier step is expected to be faster; needs the bundle's SPS table).")
 @click.option("--threshold-rule", default="cumulative", show_default=True, type=click.Choice(["cumulative", "first"]),
-              help="cumulative: --threshold bounds the survival (product of the confidences so far); first: "
+              help="How static:T cuts: cumulative bounds the survival (product of the confidences so far); first: "
                    "DeepSpec's --confidence-threshold, cut at the first position whose own confidence is below it.")
-@click.option("--ar", is_flag=True, help="Decode autoregressively with the same verifier graph.")
-@click.option("--gate", is_flag=True, help="Skip drafting in rounds where a plain verifier step is expected to be "
-              "faster (needs the bundle's SPS table).")
+@click.option("--ar", is_flag=True, help="Same as --policy ar.")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), help="Same as --policy static:THRESHOLD (0: all).")
+@click.option("--gate", is_flag=True, help="Adds +gate to the policy (as `dspark serve --gate`).")
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
 @BACKEND_OPTION
 @CUDA_GRAPHS_OPTION
 @WEIGHTS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, threshold_rule, ar, gate, threads, backend,
-            cuda_graphs, weights, as_json):
+def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, policy, threshold_rule, ar, threshold, gate, threads,
+            backend, cuda_graphs, weights, as_json):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
     from dspark.calibration.sps import ensure_sps_table
-    from dspark.runtime import DecodeOptions, Runtime, VerifyPolicy
+    from dspark.runtime import DecodeOptions, Runtime
 
-    if ar and gate:
-        raise DSparkError("--ar never drafts, so it takes no --gate")
-    policy = VerifyPolicy("ar") if ar else VerifyPolicy("static" if threshold > 0 else "all", threshold=threshold,
-                                                        gate=gate)
+    policy = run_policy(policy, ar, threshold, gate)
+    ar = policy.is_ar
     options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
                             threshold_rule=threshold_rule)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
@@ -209,7 +209,7 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, threshold, thresh
     for piece in stream:
         click.echo(piece, nl=False)
     res = stream.result
-    drafted = f" ({stream.times.drafted} drafted)" if gate and not ar else ""
+    drafted = f" ({stream.times.drafted} drafted)" if policy.gate else ""
     click.echo(f"\n\n[{'AR' if ar else 'DSpark'}] {len(res.token_ids)} tokens, tau {res.tau:.2f} over "
                f"{res.rounds} rounds{drafted}, {res.tokens_per_s:.1f} tokens/s", err=True)
 

@@ -1,6 +1,8 @@
 """Command-line options that several commands share."""
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from dspark.errors import DSparkError
@@ -10,6 +12,25 @@ WEIGHTS_OPTION = click.option(
     help="ONNX Runtime: packed = fp32 copies of the weights at load (fastest); mapped = used from the bundle file at "
          "their stored precision (for bundles whose fp32 copy does not fit in memory; slower steps); auto = packed "
          "when it fits.")
+
+
+def run_policy(policy: str, ar: bool, threshold: float | None, gate: bool):
+    """`dspark run`'s --policy, or what its shorthands --ar / --threshold spell; --gate adds +gate."""
+    from dspark.runtime import VerifyPolicy
+
+    shorthand = [name for name, given in (("--ar", ar), ("--threshold", threshold is not None)) if given]
+    if len(shorthand) > 1 or (shorthand and policy != "all"):
+        raise DSparkError(f"{' and '.join(shorthand + (['--policy'] if policy != 'all' else []))} each name the "
+                          f"policy: give one (--ar is --policy ar, --threshold T is --policy static:T)")
+    if ar:
+        chosen = VerifyPolicy("ar")
+    elif threshold is not None:
+        chosen = VerifyPolicy("all") if threshold == 0 else VerifyPolicy("static", threshold=threshold)
+    else:
+        chosen = VerifyPolicy.parse(policy)
+    if gate and chosen.is_ar:
+        raise DSparkError("the ar policy never drafts, so it takes no --gate")
+    return dataclasses.replace(chosen, gate=True) if gate else chosen
 
 
 def ort_weights(backend: str, weights: str) -> str | None:

@@ -192,6 +192,20 @@ def test_run_with_the_draft_gate(bundle):
     assert code == 0 and "drafted)" in out, out
 
 
+def test_run_takes_the_policy_as_bench_and_serve_do(bundle):
+    """--policy names any policy; --ar and --threshold are its shorthands and give the same decode."""
+    def decode(*flags):
+        code, out = run(main_cli, "run", bundle, "--prompt", "w1 w2", "--max-new-tokens", 8, "--json", *flags)
+        assert code == 0, out
+        return {k: v for k, v in json.loads(out.strip().splitlines()[-1]).items() if k != "tokens_per_s"}
+
+    assert decode("--policy", "ar") == decode("--ar")
+    static, shorthand = decode("--policy", "static:0.5"), decode("--threshold", 0.5)
+    assert static["token_ids"] == shorthand["token_ids"] and static["rounds"] == shorthand["rounds"]
+    assert static["mode"] == "dspark" and decode("--ar")["mode"] == "ar"
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1", "--ar", "--policy", "topk"), "give one")
+
+
 def test_tensorrt_backend_says_what_is_missing(bundle):
     one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt"), "dspark-export build")
     man = json.loads((bundle / "manifest.json").read_text())

@@ -238,6 +238,10 @@ for _name, _extra in {
     "run --max-new-tokens beyond the context": ["--max-new-tokens", "1000"],
     "run --threads 0": ["--threads", "0"],
     "run --ar --gate": ["--ar", "--gate"],
+    "run --policy ar --gate": ["--policy", "ar", "--gate"],
+    "run --policy unknown": ["--policy", "sometimes"],
+    "run --ar --policy schedule": ["--ar", "--policy", "schedule"],
+    "run --ar --threshold": ["--ar", "--threshold", "0.5"],
     "run --threshold-rule unknown": ["--threshold-rule", "last"],
     "run --backend unknown": ["--backend", "cuda"],
 }.items():
