@@ -19,7 +19,7 @@ def evaluate(path: str, rows: list[dict], max_new: int, temperature: float, batc
     from dspark.runtime import DecodeOptions, Runtime
 
     rt = Runtime(path)
-    res = rt.generate([r["prompt"] for r in rows], DecodeOptions(max_new_tokens=max_new, temperature=temperature,
+    res = rt.generate([r["prompt"] for r in rows], DecodeOptions(max_tokens=max_new, temperature=temperature,
                                                                  seed=seed, batch_size=batch))
     by_domain = defaultdict(list)
     for r, out in zip(rows, res):
@@ -68,19 +68,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", action="append", required=True, help="NAME=PATH (repeatable)")
     ap.add_argument("--prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/acceptance.json")
     args = ap.parse_args()
     rows = dev_rows(args.prompts)
-    report = {"machine": machine(), "prompts": len(rows), "max_new_tokens": args.max_new_tokens, "results": {}}
+    report = {"machine": machine(), "prompts": len(rows), "max_new_tokens": args.max_tokens, "results": {}}
     for spec in args.bundle:
         name, path = spec.split("=", 1)
         report["results"][name] = {
             "bundle": path,
-            "greedy": evaluate(path, rows, args.max_new_tokens, 0.0, args.batch, args.seed),
-            "t1": evaluate(path, rows, args.max_new_tokens, 1.0, args.batch, args.seed),
+            "greedy": evaluate(path, rows, args.max_tokens, 0.0, args.batch, args.seed),
+            "t1": evaluate(path, rows, args.max_tokens, 1.0, args.batch, args.seed),
         }
         g, t = report["results"][name]["greedy"], report["results"][name]["t1"]
         per_domain = ", ".join(f"{d} {v['tau']:.2f}" for d, v in g["domains"].items())

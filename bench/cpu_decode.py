@@ -23,7 +23,7 @@ from common import dev_rows, machine, position_acceptance, write_json
 def decode_one(rt, prompt, max_new, ar=False, policy=None):
     from dspark.runtime import DecodeOptions
 
-    dec = rt.decoder([prompt], DecodeOptions(max_new_tokens=max_new, policy="ar" if ar else (policy or "all")))
+    dec = rt.decoder([prompt], DecodeOptions(max_tokens=max_new, policy="ar" if ar else (policy or "all")))
     for _ in dec:
         pass
     res = dec.results[0]
@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--target", default="smollm2-135m", help="for the HF transformers baseline")
     ap.add_argument("--prompts")
     ap.add_argument("--per-domain", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--extra", action="append", default=[], help="NAME=BUNDLE: DSpark on another bundle of the pair")
     ap.add_argument("--allow-other-draft", action="store_true")
@@ -116,7 +116,7 @@ def main():
     ids = [rt.encode(r["prompt"]) for r in rows]
     report = {"machine": machine(), "bundle": args.bundle, "manifest_sources": rt.manifest.sources,
               "prompts": [{"domain": r.get("domain"), "source": r.get("source")} for r in rows],
-              "max_new_tokens": args.max_new_tokens, "methods": {}}
+              "max_new_tokens": args.max_tokens, "methods": {}}
     ort = {"ort_ar_fp32": (rt, {"ar": True}), "ort_dspark_fp32": (rt, {})}
     if rt.manifest.calibration.get("sps_table"):
         ort["ort_dspark_fp32_scheduled"] = (rt, {"policy": VerifyPolicy("schedule")})
@@ -126,7 +126,7 @@ def main():
         if other.manifest.sources.get("draft") != rt.manifest.sources.get("draft") and not args.allow_other_draft:
             raise SystemExit(f"--extra {spec}: a different draft than {args.bundle} (pass --allow-other-draft)")
         ort[f"ort_dspark_{name}"] = (other, {})
-    max_new = args.max_new_tokens
+    max_new = args.max_tokens
     methods = {name: (lambda p, rt=r, kw=kw: decode_one(rt, p, max_new, **kw)) for name, (r, kw) in ort.items()}
     if not args.skip_hf:
         methods["hf_eager_greedy"] = hf_decoder(args.target, max_new)

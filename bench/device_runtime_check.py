@@ -166,7 +166,7 @@ def backend_check(cuda, bundle: Path, emulate: bool) -> dict:
     prompts = [[1, 4, 2, 0, 3], [5, 2], [5, 1, 1, 3, 0, 0, 2, 4], [3], [0, 4, 4, 1]]
     out = {}
     for temperature in (0.0, 1.0):
-        options = DecodeOptions(max_new_tokens=24, temperature=temperature, seed=4, batch_size=3)
+        options = DecodeOptions(max_tokens=24, temperature=temperature, seed=4, batch_size=3)
         runs = []
         for kind in ("onnxruntime", "device"):
             if kind == "onnxruntime":

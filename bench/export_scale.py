@@ -181,12 +181,12 @@ t0 = time.perf_counter(); rt = Runtime(bundle, weights=weights); load = time.per
 rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 ids = [rt.encode(p) for p in prompts]
 def timed(n):
-    t = time.perf_counter(); rt.generate([ids[0]], DecodeOptions(max_new_tokens=n, policy="ar")); return time.perf_counter() - t
+    t = time.perf_counter(); rt.generate([ids[0]], DecodeOptions(max_tokens=n, policy="ar")); return time.perf_counter() - t
 one, five = min(timed(1) for _ in range(2)), min(timed(5) for _ in range(2))
 same = []
 for p in ids:
-    ar = rt.generate([p], DecodeOptions(max_new_tokens=12, policy="ar"))[0].token_ids
-    ds = rt.generate([p], DecodeOptions(max_new_tokens=12, policy="all"))[0].token_ids
+    ar = rt.generate([p], DecodeOptions(max_tokens=12, policy="ar"))[0].token_ids
+    ds = rt.generate([p], DecodeOptions(max_tokens=12, policy="all"))[0].token_ids
     same.append(ar == ds)
 print(json.dumps({"weights": rt.backend.weights, "load_s": round(load, 1), "rss_loaded_gb": round(rss_loaded, 3),
                   "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),

@@ -38,7 +38,7 @@ def decode(rt, prompts: list[list[int]], batch: int, policy: str, max_new: int) 
     from dspark.runtime import DecodeOptions
 
     before = dict(rt.backend.verifier.steps)
-    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new, batch_size=batch, policy=policy))
+    dec = rt.decoder(prompts, DecodeOptions(max_tokens=max_new, batch_size=batch, policy=policy))
     for _ in dec:
         pass
     seconds = dec.times.total - dec.times.prefill
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--lanes", default="1,8", help="lane counts to compare")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--policies", default="ar,all")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=48)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dspark-lanes"))
     ap.add_argument("--prompts", default=None, help="JSONL prompts (default: the dev set)")
@@ -79,7 +79,7 @@ def main() -> None:
             tokens, steps = {}, {}
             for _ in range(args.passes):
                 for n, rt in runtimes.items():
-                    rate, tokens[n], steps[n] = decode(rt, prompts[:batch], batch, policy, args.max_new_tokens)
+                    rate, tokens[n], steps[n] = decode(rt, prompts[:batch], batch, policy, args.max_tokens)
                     rates[n].append(rate)
             row = {"batch": batch, "policy": policy,
                    "tokens_per_s": {str(n): round(float(np.median(r)), 2) for n, r in rates.items()},
@@ -89,7 +89,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     write_json(args.out, {"bundle": str(args.bundle), "machine": machine(), "lanes": lanes,
-                          "max_new_tokens": args.max_new_tokens, "passes": args.passes,
+                          "max_new_tokens": args.max_tokens, "passes": args.passes,
                           "time": time.strftime("%Y-%m-%d %H:%M"), "rows": rows})
 
 

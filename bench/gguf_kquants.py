@@ -54,8 +54,8 @@ def decode_speed(bundle: Path, gguf: Path, max_new: int, passes: int) -> dict:
 
     with Runtime(bundle) as rt:
         ids = [rt.encode(p) for p in PROMPTS]
-        ar = rt.generate(ids, DecodeOptions(max_new_tokens=max_new, policy="ar", batch_size=1))
-        ds = rt.generate(ids, DecodeOptions(max_new_tokens=max_new, policy="all", batch_size=1))
+        ar = rt.generate(ids, DecodeOptions(max_tokens=max_new, policy="ar", batch_size=1))
+        ds = rt.generate(ids, DecodeOptions(max_tokens=max_new, policy="all", batch_size=1))
         equal = [a.token_ids == d.token_ids for a, d in zip(ar, ds)]
         rates: dict[str, list[float]] = {"dspark_ar": [], "llama.cpp": []}
         if not passes:
@@ -64,7 +64,7 @@ def decode_speed(bundle: Path, gguf: Path, max_new: int, passes: int) -> dict:
         for _ in range(passes):
             t0, n = time.perf_counter(), 0
             for p in ids:
-                n += len(rt.generate([p], DecodeOptions(max_new_tokens=max_new, policy="ar"))[0].token_ids)
+                n += len(rt.generate([p], DecodeOptions(max_tokens=max_new, policy="ar"))[0].token_ids)
             rates["dspark_ar"].append(n / (time.perf_counter() - t0))
             t0, n = time.perf_counter(), 0
             for p in ids:
@@ -100,7 +100,7 @@ def one_type(args, work: Path, gguf: Path) -> dict:
     row["max_abs_weight_diff"] = blocks.get("max_abs_weight_diff")
     row["not_kept"] = blocks.get("unsupported")
     row["matmulnbits"] = manifest["quantized"]["verifier"].get("matmulnbits")
-    row["decode"] = decode_speed(bundle, gguf, args.max_new_tokens, args.passes)
+    row["decode"] = decode_speed(bundle, gguf, args.max_tokens, args.passes)
     return row
 
 
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K_M,Q5_K_M")
     ap.add_argument("--llama", required=True, type=Path, help="llama.cpp sources (convert_hf_to_gguf.py, gguf-py)")
     ap.add_argument("--work", default="/tmp/dspark-gguf-kquants", type=Path)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32)
     ap.add_argument("--passes", type=int, default=3, help="tokens/s passes against llama.cpp (0: tokens only)")
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"],
                     help="the bundle's stored precision before quantizing (fp32 is 4x a 4-bit file: 18 GB at 4B)")

@@ -9,7 +9,7 @@ of a shared VM's speed hits them alike):
                   with --portable, a bundle with a fused verifier also runs on its portable one ("LABEL portable")
 
 Greedy, batch 1, the chat template applied once by the first bundle's tokenizer; every method stops at the bundle's
-stop tokens or --max-new-tokens. Reported per method: tokens/s (median over prompts) with the prefill included and
+stop tokens or --max-tokens. Reported per method: tokens/s (median over prompts) with the prefill included and
 excluded, tau, agreement with the first bundle's autoregressive output, peak RSS, and the physical floor: the weight
 bytes one autoregressive token reads against this machine's measured copy bandwidth. Then a batch phase (--batch,
 default 8): each method that batches (dspark; GenAI with right-padded rows; not llama-cpp-python, whose API
@@ -55,7 +55,7 @@ class DsparkDecoder:
         from dspark.runtime import DecodeOptions
 
         t0 = time.perf_counter()
-        res = self.rt.generate(prompts, DecodeOptions(max_new_tokens=max_new, policy=self.policy,
+        res = self.rt.generate(prompts, DecodeOptions(max_tokens=max_new, policy=self.policy,
                                                        batch_size=len(prompts)))
         taus = [r.tau for r in res if r.committed]
         return {"tokens": [r.token_ids for r in res], "total_s": time.perf_counter() - t0,
@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--genai", action="append", default=[], help="LABEL=FOLDER of an ORT GenAI builder output")
     ap.add_argument("--per-domain", type=int, default=3)
     ap.add_argument("--prompts", help="JSONL prompts (default: the dev prompts)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--portable", action="store_true",
@@ -263,11 +263,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in workers}
     for i, p in enumerate(ids):
         for name, (_, conn) in workers.items():
-            conn.send(("one", p, args.max_new_tokens))
+            conn.send(("one", p, args.max_tokens))
             runs[name].append(conn.recv())
         print(f"prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{n} {len(r[-1]['tokens']) / r[-1]['total_s']:.1f}" for n, r in runs.items()), flush=True)
-    batched = batch_phase(workers, ids[:args.batch], args.max_new_tokens, args.batch_reps) if args.batch > 1 else {}
+    batched = batch_phase(workers, ids[:args.batch], args.max_tokens, args.batch_reps) if args.batch > 1 else {}
     for proc, conn in workers.values():
         conn.send(None)
         proc.join(timeout=30)
@@ -302,7 +302,7 @@ def main() -> None:
               f"= ref AR {row.get('equals_reference_ar')}", flush=True)
     out = write_json(args.out, {"machine": machine(), "bandwidth_gb_s": bandwidth, "bundles": bundles,
                                 "gguf": gguf, "genai": args.genai, "policy": args.policy,
-                                "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                                "prompts": len(ids), "max_new_tokens": args.max_tokens, "threads": args.threads,
                                 "batch": args.batch, "batch_reps": args.batch_reps,
                                 "errors": errors, "summary": summary, "runs": runs})
     plot(summary, out.with_suffix(".png"))

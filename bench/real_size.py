@@ -65,7 +65,7 @@ def batch_fit(folder: Path, batch: int, context: int, max_new: int) -> dict:
     with Runtime(folder, weights="packed") as rt:  # auto may map after the step sessions left memory in use
         ids = [rt.encode(p) for p in (PROMPTS * batch)[:batch]]
         context = min(context, rt.manifest.max_context)  # (the bundle's own limit, recorded below)
-        dec = Decoder(rt.backend, rt.manifest, ids, DecodeOptions(max_new_tokens=max_new, policy="ar",
+        dec = Decoder(rt.backend, rt.manifest, ids, DecodeOptions(max_tokens=max_new, policy="ar",
                                                                   batch_size=batch), capacity=context)
         for _ in dec:
             pass
@@ -96,7 +96,7 @@ def versus_llama_cpp(folder: Path, gguf: Path, batches: list[int], positions: li
         try:
             for _ in range(passes):
                 for b in batches:
-                    dec = Decoder(rt.backend, rt.manifest, ids[:b], DecodeOptions(max_new_tokens=max_new,
+                    dec = Decoder(rt.backend, rt.manifest, ids[:b], DecodeOptions(max_tokens=max_new,
                                                                                   policy="ar", batch_size=b))
                     for _ in dec:
                         pass
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--positions", default="1,2,4,8")
     ap.add_argument("--past", type=int, default=200)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=24)
     ap.add_argument("--taus", default="2,3,4,5")
     ap.add_argument("--steps-only", action="store_true", help="only the verifier steps (no decode, no batch fit)")
     ap.add_argument("--fit-batch", type=int, default=4)
@@ -205,14 +205,14 @@ def main() -> None:
         row["steps"] = step_costs(Path(folder), positions, args.past, args.reps)
         row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         if not args.steps_only:
-            row["decode"] = decode(Path(folder), args.max_new_tokens)
+            row["decode"] = decode(Path(folder), args.max_tokens)
             dh = row["decode"]["draft_ms_per_round"] + row["decode"]["heads_ms_per_round"]
             row["draft_heads_over_step"] = {k: round(dh / v["median_ms"]["1"], 3) for k, v in row["steps"].items()}
             row["computed"] = computed(row["steps"], dh, [float(t) for t in args.taus.split(",")])
             row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         if label in ggufs:
             row["llama_cpp"] = versus_llama_cpp(Path(folder), ggufs[label], [int(b) for b in args.batches.split(",")],
-                                                positions, args.past, args.max_new_tokens, args.passes)
+                                                positions, args.past, args.max_tokens, args.passes)
             row["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         if args.fit_context and not args.steps_only:
             row["batch_fit"] = batch_fit(Path(folder), args.fit_batch, args.fit_context, 16)

@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--prompts")
     ap.add_argument("--limit", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="bench/results/scheduler.json")
@@ -60,11 +60,11 @@ def main():
     rows = dev_rows(args.prompts, per_domain=max(1, args.limit // 3))[:args.limit]
     rt = Runtime(args.bundle)
     policies = args.policies.split(",")
-    report = {"machine": machine(), "bundle": args.bundle, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+    report = {"machine": machine(), "bundle": args.bundle, "prompts": len(rows), "max_new_tokens": args.max_tokens,
               "policies": policies, "sps_table_len": len(rt.manifest.calibration.get("sps_table") or []), "runs": []}
     for r in [int(x) for x in args.concurrency.split(",")]:
         for policy in policies:
-            res = run_batch(rt, [row["prompt"] for row in rows], r, policy, args.max_new_tokens).as_dict()
+            res = run_batch(rt, [row["prompt"] for row in rows], r, policy, args.max_tokens).as_dict()
             report["runs"].append(res)
             print(f"R={r:<3} {policy:<13} {res['tokens_per_s']:7.1f} tok/s  per-request "
                   f"{res['per_request_tokens_per_s']:6.1f}  tau {res['tau']:.2f}  budget {res['mean_verify_budget']:.2f}  "

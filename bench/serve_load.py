@@ -182,7 +182,7 @@ def overhead(args, url: str, prompts: list[str]) -> tuple[dict, list[str]]:
                 outside_engine.append(round(outside, 4))
         print(json.dumps({"overhead_pass": k, **runs, "outside_engine": outside_engine}), flush=True)
     engine.close()
-    texts = [r.text for r in rt.generate(prompts, DecodeOptions(max_new_tokens=args.max_tokens, batch_size=1))]
+    texts = [r.text for r in rt.generate(prompts, DecodeOptions(max_tokens=args.max_tokens, batch_size=1))]
     rt.close()
     if not args.overhead_passes:
         return {}, texts

@@ -154,7 +154,7 @@ def reference_texts(bundle: Path, prompts: list[str], max_tokens: int) -> list[s
     rt = Runtime(bundle)
     try:
         return [r.text for r in rt.generate([rt.encode(p) for p in prompts],
-                                            DecodeOptions(max_new_tokens=max_tokens, batch_size=1))]
+                                            DecodeOptions(max_tokens=max_tokens, batch_size=1))]
     finally:
         rt.close()
 

@@ -46,7 +46,7 @@ class RoundClock(EngineObserver):
 
 def verifier_step_ms(rt: Runtime, prompt: list[int], rows: int, capacity: int, tokens: int) -> float:
     dec = Decoder(rt.backend, rt.manifest, [prompt] * rows,
-                  DecodeOptions(max_new_tokens=tokens, policy="ar", batch_size=rows), capacity=capacity)
+                  DecodeOptions(max_tokens=tokens, policy="ar", batch_size=rows), capacity=capacity)
     for _ in dec:
         pass
     return 1e3 * dec.times.verify / dec.times.rounds

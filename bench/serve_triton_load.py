@@ -144,7 +144,7 @@ def main():
     args = ap.parse_args()
     prompts = [r["prompt"] for r in dev_rows(None, per_domain=2)][:args.prompts]
     with Runtime(args.bundle) as rt:
-        reference = [r.token_ids for r in rt.generate(prompts, DecodeOptions(max_new_tokens=args.max_tokens,
+        reference = [r.token_ids for r in rt.generate(prompts, DecodeOptions(max_tokens=args.max_tokens,
                                                                                batch_size=1))]
     tmp = Path(tempfile.mkdtemp(prefix="dspark-triton-bench-"))
     started = time.perf_counter()

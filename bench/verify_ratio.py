@@ -127,8 +127,8 @@ def exactness(folder: Path, prompts: int, tokens: int, fused: bool = False) -> d
     batch = 1 if fused else None
     with Runtime(folder, backend=backend) as rt:
         ids = [rt.encode(r["prompt"]) for r in rows]
-        ar = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="ar", batch_size=batch))
-        ds = rt.generate(ids, DecodeOptions(max_new_tokens=tokens, policy="all", batch_size=batch))
+        ar = rt.generate(ids, DecodeOptions(max_tokens=tokens, policy="ar", batch_size=batch))
+        ds = rt.generate(ids, DecodeOptions(max_tokens=tokens, policy="all", batch_size=batch))
     equal = [a.token_ids == d.token_ids for a, d in zip(ar, ds)]
     return {"equal": sum(equal), "prompts": len(equal), "tokens": tokens,
             "tau": round(float(np.mean([d.tau for d in ds])), 3)}

@@ -31,7 +31,7 @@ class DemoRequest:
     bundle: Path | None  # None: the demo bundle in the cache, converted on first use
     num_prompts: int
     prompts_file: Path | None  # None: the demo prompts shipped in the package
-    max_new_tokens: int
+    max_tokens: int
     heads: str  # "q8" or "fp32": the draft heads of a bundle the demo converts
 
 
@@ -175,21 +175,21 @@ class DemoTotals:
         return sum(self.committed) / max(1, len(self.committed))
 
 
-def decode_ar(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals,
+def decode_ar(rt: Runtime, prompt: str, max_tokens: int, totals: DemoTotals,
               say: Say) -> tuple[list[int], float]:
     say("  decoding the same prompt autoregressively, for the comparison (its text is not shown) ...")
     t0 = time.perf_counter()
-    res = rt.generate([prompt], DecodeOptions(max_new_tokens=max_new_tokens, policy="ar"))[0]
+    res = rt.generate([prompt], DecodeOptions(max_tokens=max_tokens, policy="ar"))[0]
     seconds = time.perf_counter() - t0
     totals.seconds["ar"] += seconds
     totals.tokens["ar"] += len(res.token_ids)
     return res.token_ids, seconds
 
 
-def stream_dspark(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTotals, show: Say):
+def stream_dspark(rt: Runtime, prompt: str, max_tokens: int, totals: DemoTotals, show: Say):
     """Decode with the demo's policy, printing the text as rounds commit it."""
     t0 = time.perf_counter()
-    stream = rt.stream(prompt, DecodeOptions(max_new_tokens=max_new_tokens, policy=totals.policy))
+    stream = rt.stream(prompt, DecodeOptions(max_tokens=max_tokens, policy=totals.policy))
     for piece in stream:
         show(piece)
     seconds = time.perf_counter() - t0
@@ -202,17 +202,17 @@ def stream_dspark(rt: Runtime, prompt: str, max_new_tokens: int, totals: DemoTot
     return res, stream.times, seconds
 
 
-def decode_prompt(rt: Runtime, index: int, row: dict, max_new_tokens: int, totals: DemoTotals, show: Say,
+def decode_prompt(rt: Runtime, index: int, row: dict, max_tokens: int, totals: DemoTotals, show: Say,
                   say: Say) -> None:
     """AR and DSpark take turns: which goes first alternates from prompt to prompt."""
     show(f"\n[{row.get('domain', 'prompt')}] {row['prompt']}\n\n")
     if index % 2 == 0:
-        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals, say)
-        res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_tokens, totals, say)
+        res, times, seconds = stream_dspark(rt, row["prompt"], max_tokens, totals, show)
     else:
-        res, times, seconds = stream_dspark(rt, row["prompt"], max_new_tokens, totals, show)
+        res, times, seconds = stream_dspark(rt, row["prompt"], max_tokens, totals, show)
         show("\n")
-        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_new_tokens, totals, say)
+        ar_ids, ar_seconds = decode_ar(rt, row["prompt"], max_tokens, totals, say)
     same = res.token_ids == ar_ids
     totals.identical += same
     show(f"\n  DSpark: {len(res.token_ids)} tokens, tau {res.tau:.2f}, {times.drafted} of {times.rounds} rounds "
@@ -232,7 +232,7 @@ def run_demo(req: DemoRequest, say: Say, show: Say) -> DemoTotals:
         say(f"bundle: {plan.bundle} ({label})\npolicy: {policy}: {why}")
         totals = DemoTotals(policy=policy)
         for i, row in enumerate(plan.rows):
-            decode_prompt(rt, i, row, req.max_new_tokens, totals, show, say)
+            decode_prompt(rt, i, row, req.max_tokens, totals, show, say)
     ds_rate, ar_rate = totals.rate("dspark"), totals.rate("ar")
     show(f"\nDSpark ({policy}) {ds_rate:.1f} tok/s vs autoregressive {ar_rate:.1f} tok/s, measured in this run "
          f"({label}): speedup x{ds_rate / max(ar_rate, 1e-9):.2f}, tau {totals.tau:.2f}, {totals.drafted} of "

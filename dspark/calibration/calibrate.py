@@ -18,13 +18,13 @@ from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.observers import ConfidenceLog
 
 
-def collect_rounds(bundle: Path, prompts: list[str], max_new_tokens: int = 256, temperature: float = 0.0,
+def collect_rounds(bundle: Path, prompts: list[str], max_tokens: int = 256, temperature: float = 0.0,
                    batch_size: int = 8, seed: int = 0) -> Rounds:
     rt = Runtime(bundle)
     if not rt.manifest.draft.get("confidence_head"):
         raise DSparkError(f"{bundle} has no confidence head to calibrate")
     log = ConfidenceLog()
-    for _ in rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+    for _ in rt.decoder(prompts, DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                                batch_size=batch_size), observers=[log]):
         pass
     if not log.rounds:
@@ -96,13 +96,13 @@ def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path
 
 
 def calibrate(bundle: Path, prompts: list[str], out_dir: Path, draft_dir: Path | None = None,
-              max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8) -> dict:
+              max_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8) -> dict:
     """Every input is checked first; then calibration.json and reliability.png, the manifest and the draft's
     config.json are each written atomically (a temporary renamed into place), and only after decoding."""
     manifest = Manifest.read(bundle)
     draft_raw = check_draft_folder(draft_dir, manifest) if draft_dir is not None else None
     check_out_dir(out_dir)
-    rounds = collect_rounds(bundle, prompts, max_new_tokens, temperature, batch_size)
+    rounds = collect_rounds(bundle, prompts, max_tokens, temperature, batch_size)
     bk = rounds.conf_logits.shape[1]
     before = np.ones(bk)
     temps = fit_sts(rounds)

@@ -17,15 +17,17 @@ import click
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path, dir_okay=False),
               help="JSONL file of prompts ('prompt' and optional 'domain' per line; default: the demo set shipped "
                    "in the package).")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens",
+              default=128, show_default=True, type=click.IntRange(1, 4096),
+              help="Tokens to generate per request at most (--max-new-tokens: the same).")
 @click.option("--heads", default="q8", show_default=True, type=click.Choice(["q8", "fp32"]),
               help="Draft heads of a bundle the demo converts: 8-bit weights (faster on CPU, still lossless) or as "
                    "exported.")
-def demo_cmd(bundle, num_prompts, prompts_file, max_new_tokens, heads):
+def demo_cmd(bundle, num_prompts, prompts_file, max_tokens, heads):
     """Convert SmolLM2-135M-Instruct + the demo DSpark drafter (once), then decode prompts with DSpark's best
     policy for the bundle and with autoregressive decoding on ONNX Runtime: text, tau, and the speedup measured
     in this run."""
     from dspark.demo import DemoRequest, run_demo
 
-    req = DemoRequest(bundle, num_prompts, prompts_file, max_new_tokens, heads)
+    req = DemoRequest(bundle, num_prompts, prompts_file, max_tokens, heads)
     run_demo(req, say=lambda m: click.echo(m, err=True), show=lambda m: click.echo(m, nl=False))

@@ -167,7 +167,9 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @main_cli.command("run")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text (rendered with the bundle's chat template).")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens",
+              default=128, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Tokens to generate per request at most (--max-new-tokens: the same).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--policy", default="all", show_default=True,
@@ -185,7 +187,7 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @CUDA_GRAPHS_OPTION
 @WEIGHTS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, policy, threshold_rule, ar, threshold, gate, threads,
+def run_cmd(bundle, prompt, max_tokens, temperature, seed, policy, threshold_rule, ar, threshold, gate, threads,
             backend, cuda_graphs, weights, as_json):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
@@ -194,7 +196,7 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, policy, threshold
 
     policy = run_policy(policy, ar, threshold, gate)
     ar = policy.is_ar
-    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
+    options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy,
                             threshold_rule=threshold_rule)
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
                  weights=ort_weights(backend, weights))
@@ -224,12 +226,14 @@ def run_cmd(bundle, prompt, max_new_tokens, temperature, seed, policy, threshold
 @click.option("--prompts", type=click.Path(path_type=Path),
               help="JSONL prompts (default: the dev prompts beside a checkout, else the demo set in the package).")
 @click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens",
+              default=64, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Tokens to generate per request at most (--max-new-tokens: the same).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
 @BACKEND_OPTION
 @CUDA_GRAPHS_OPTION
 @click.option("--json", "as_json", is_flag=True)
-def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, temperature, backend, cuda_graphs,
+def bench_cmd(bundle, concurrency, policy, prompts, limit, max_tokens, temperature, backend, cuda_graphs,
               as_json):
     """Throughput of BUNDLE with R concurrent requests: aggregate and per-request tokens/s, tau, verify budget."""
     from dspark.calibration.sps import ensure_sps_table
@@ -243,7 +247,7 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_new_tokens, tempe
         raise DSparkError(f"{prompts} holds no prompts")
     rt = Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs)
     ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True), store=False)
-    res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_new_tokens, temperature)
+    res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_tokens, temperature)
     if as_json:
         click.echo(json.dumps(res.as_dict()))
         return
@@ -292,11 +296,13 @@ def train_cmd(**options):
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), help="Where calibration.json and "
               "reliability.png go (default: BUNDLE).")
 @click.option("--limit", type=click.IntRange(1), help="Use at most this many prompts.")
-@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(8))
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens",
+              default=256, show_default=True, type=click.IntRange(8),
+              help="Tokens to generate per request at most (--max-new-tokens: the same).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0),
               help="Decode temperature the calibration is for (acceptance depends on it).")
 @BACKEND_OPTION
-def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_new_tokens, temperature,
+def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_tokens, temperature,
                   backend):
     """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per
     position), or with --sps the throughput table the prefix scheduler needs."""
@@ -320,7 +326,7 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
     from dspark.calibration.calibrate import calibrate
 
     rows = read_prompts(prompts, limit=limit)
-    report = calibrate(bundle, [r["prompt"] for r in rows], out_dir or bundle, draft_dir, max_new_tokens,
+    report = calibrate(bundle, [r["prompt"] for r in rows], out_dir or bundle, draft_dir, max_tokens,
                        temperature)
     click.echo(f"{report['rounds']} rounds from {report['prompts']} prompts; STS temperatures "
                + " ".join(f"{t:.2f}" for t in report["sts_temperatures"]))
@@ -334,7 +340,9 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
 @click.option("--draft", default="random", show_default=True,
               help="DeepSpec checkpoint folder, short name, or 'random[:SEED]' (untrained).")
 @click.option("--prompt", help="Prompt text (default: the first dev prompt).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--max-tokens", "--max-new-tokens", "max_tokens",
+              default=64, show_default=True, type=click.IntRange(1, 100000),
+              help="Tokens to generate per request at most (--max-new-tokens: the same).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 100.0))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1))
 @click.option("--threshold", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
@@ -342,7 +350,7 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
 @click.option("--check-ar/--no-check-ar", default=True, show_default=True,
               help="Also decode autoregressively and compare (greedy: token for token).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, threshold, check_ar, as_json):
+def reference_cmd(target, draft, prompt, max_tokens, temperature, seed, threshold, check_ar, as_json):
     """DSpark decoding with the PyTorch reference (batch 1), compared with autoregressive decoding."""
     import time
 
@@ -351,21 +359,21 @@ def reference_cmd(target, draft, prompt, max_new_tokens, temperature, seed, thre
     from dspark.runtime import DecodeOptions
     from dspark.tokenizer import ChatTokenizer
 
-    DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=f"static:{threshold}")
+    DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=f"static:{threshold}")
     pair = load_pair(target, draft, seed)
     tok = ChatTokenizer(pair.loaded.folder)
     if prompt is None:
         prompt = read_prompts(dev_prompts_path(), limit=1)[0]["prompt"]
     ids = tok.encode_chat(prompt)
     t0 = time.perf_counter()
-    ds = generate_dspark(pair.target, pair.drafter, [ids], max_new_tokens, temperature, seed, tok.stop_ids,
+    ds = generate_dspark(pair.target, pair.drafter, [ids], max_tokens, temperature, seed, tok.stop_ids,
                          threshold)[0]
     ds_s = time.perf_counter() - t0
     out = {"prompt": prompt, "text": tok.decode(ds.token_ids), "token_ids": ds.token_ids, "tau": round(ds.tau, 3),
            "rounds": ds.rounds, "dspark_s": round(ds_s, 2), "draft": draft}
     if check_ar:
         t0 = time.perf_counter()
-        ar = generate_ar(pair.target, [ids], max_new_tokens, temperature, seed, tok.stop_ids)[0]
+        ar = generate_ar(pair.target, [ids], max_tokens, temperature, seed, tok.stop_ids)[0]
         out["ar_s"] = round(time.perf_counter() - t0, 2)
         out["equals_ar"] = ar.token_ids == ds.token_ids
     if as_json:

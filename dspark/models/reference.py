@@ -28,7 +28,7 @@ class DecodeResult:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     proposed: list[int] = field(default_factory=list)  # drafts sent to verification per round
     committed: list[int] = field(default_factory=list)  # tokens committed per round (tau of the round)
-    stopped: bool = False  # ended on a stop token (vs max_new_tokens)
+    stopped: bool = False  # ended on a stop token (vs max_tokens)
 
     @property
     def tau(self) -> float:
@@ -75,11 +75,11 @@ def _prefill(target: TargetModel, prompts: list[list[int]], kv: torch.Tensor, te
 
 
 @torch.no_grad()
-def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+def generate_ar(target: TargetModel, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
                 seed: int = 0, stop_ids: tuple[int, ...] = (), capacity: int | None = None) -> list[DecodeResult]:
     b = len(prompts)
     noises = [RequestNoise(seed, i) for i in range(b)]
-    kv = target.new_cache(b, capacity or max(map(len, prompts)) + max_new_tokens + 1)
+    kv = target.new_cache(b, capacity or max(map(len, prompts)) + max_tokens + 1)
     temp = torch.full((b,), float(temperature))
     zero = torch.zeros(b, dtype=torch.int64)
     _, nxt, cache_len = _prefill(target, prompts, kv, temp, noises)
@@ -92,7 +92,7 @@ def generate_ar(target: TargetModel, prompts: list[list[int]], max_new_tokens: i
                 results[i].token_ids.append(tok)
                 if tok in stop_ids:
                     results[i].stopped, live[i] = True, False
-                elif len(results[i].token_ids) >= max_new_tokens:
+                elif len(results[i].token_ids) >= max_tokens:
                     live[i] = False
         if not any(live):
             break
@@ -120,7 +120,7 @@ def _verify_block(target: TargetModel, kv: torch.Tensor, cache_len: list[int], a
 
 
 def _commit(res: DecodeResult, drafts: list[int], bonus: int, proposed: int, stop_ids: tuple[int, ...],
-            max_new_tokens: int) -> bool:
+            max_tokens: int) -> bool:
     """Record one round of a live request: its accepted drafts, then the bonus/correction token. Whether it goes on."""
     res.rounds += 1
     res.proposed.append(proposed)
@@ -137,18 +137,18 @@ def _commit(res: DecodeResult, drafts: list[int], bonus: int, proposed: int, sto
     if bonus in stop_ids:
         res.stopped = True
         return False
-    return len(res.token_ids) < max_new_tokens
+    return len(res.token_ids) < max_tokens
 
 
 @torch.no_grad()
-def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], max_new_tokens: int,
+def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], max_tokens: int,
                     temperature: float = 0.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
                     threshold: float = 0.0, capacity: int | None = None) -> list[DecodeResult]:
     """DSpark decoding. `threshold` > 0 verifies only the prefix whose calibrated survival reaches it."""
     bk = drafter.cfg.block_size
     b = len(prompts)
     noises = [RequestNoise(seed, i) for i in range(b)]
-    cap = capacity or max(map(len, prompts)) + max_new_tokens + bk + 1
+    cap = capacity or max(map(len, prompts)) + max_tokens + bk + 1
     kv, draft_kv = target.new_cache(b, cap), drafter.new_cache(b, cap)
     temp = torch.full((b,), float(temperature))
 
@@ -158,7 +158,7 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
     for i in range(b):
         if int(anchor[i]) in stop_ids:
             results[i].stopped, live[i] = True, False
-        elif max_new_tokens <= 1:
+        elif max_tokens <= 1:
             live[i] = False
     pending, pending_len = step.taps, list(cache_len)  # target features the draft has not consumed yet
     draft_len = [0] * b
@@ -183,12 +183,12 @@ def generate_dspark(target: TargetModel, drafter: DSparkDrafter, prompts: list[l
                 continue
             a = int(accepted[i])
             live[i] = _commit(results[i], block.tokens[i, :a].tolist(), int(nxt[i]), int(verify_len[i]), stop_ids,
-                              max_new_tokens)
+                              max_tokens)
             if live[i]:
                 cache_len[i] += a + 1  # anchor + accepted drafts; rejected positions are dropped by the length alone
                 pending_len[i] = a + 1
         pending = step.taps[:, :max(max(pending_len), 1)]
         anchor = nxt
     for res in results:
-        res.token_ids = res.token_ids[:max_new_tokens]
+        res.token_ids = res.token_ids[:max_tokens]
     return results

@@ -3,9 +3,9 @@
     from dspark.runtime import DecodeOptions, Runtime
 
     with Runtime("bundle/") as rt:
-        results = rt.generate(["Hello!"], DecodeOptions(max_new_tokens=64, policy="schedule+gate"))
+        results = rt.generate(["Hello!"], DecodeOptions(max_tokens=64, policy="schedule+gate"))
         print(results[0].text)
-        stream = rt.stream("Tell me a story", DecodeOptions(max_new_tokens=64))
+        stream = rt.stream("Tell me a story", DecodeOptions(max_tokens=64))
         for piece in stream:
             print(piece, end="")
         print(stream.result.tau, stream.times.rounds)

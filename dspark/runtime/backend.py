@@ -75,7 +75,7 @@ class CacheLengths:
         if self.lengths[b] + count > self.capacity:
             who = f"request {b if request is None else request}"
             raise DSparkError(f"context overflow: {who} needs {int(self.lengths[b]) + count} {self.what} "
-                              f"positions, {self.holder} {self.capacity}; shorten the prompt or max_new_tokens"
+                              f"positions, {self.holder} {self.capacity}; shorten the prompt or max_tokens"
                               f"{self.hint}")
 
     def commit(self, b: int, length: int) -> None:

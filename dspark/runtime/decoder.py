@@ -40,14 +40,14 @@ class Decoder:
         refused = self._refuse_overflowing(prompts)
         longest = max(len(p) for i, p in enumerate(prompts) if i not in refused)
         capacity = backend.fixed_capacity or capacity or min(
-            longest + options.max_new_tokens + manifest.block_size + 1, self.context_limit)
+            longest + options.max_tokens + manifest.block_size + 1, self.context_limit)
         batch = min(options.batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
         self.gates, self._gate_key = gates, GateMemory.key(options.policy, batch, options.temperature == 0)
         self.timer = StepTimer()
         self.slots = Slots(backend, manifest, options.policy, batch, capacity, gate=self._take_gate(batch),
                            threshold_rule=options.threshold_rule, observers=(self.timer, *observers))
         ids = request_ids or list(range(len(prompts)))
-        self.requests = [SlotRequest(i, list(p), options.max_new_tokens, options.temperature, options.seed, ids[i],
+        self.requests = [SlotRequest(i, list(p), options.max_tokens, options.temperature, options.seed, ids[i],
                                      ar=options.ar) for i, p in enumerate(prompts)]
         self.results = [r.result for r in self.requests]
         for i, why in refused.items():
@@ -69,9 +69,9 @@ class Decoder:
         return min(self.manifest.max_context, fixed or self.manifest.max_context)
 
     def _refuse_overflowing(self, prompts: list[list[int]]) -> dict[int, str]:
-        """Requests whose prompt + max_new_tokens cannot fit the context, with why; every other request is served
+        """Requests whose prompt + max_tokens cannot fit the context, with why; every other request is served
         (the last positions of a request near the limit are plain verifier steps). All refused: DSparkError."""
-        limit, new = self.context_limit, self.options.max_new_tokens
+        limit, new = self.context_limit, self.options.max_tokens
         refused = {}
         for i, p in enumerate(prompts):
             if len(p) >= limit:
@@ -80,7 +80,7 @@ class Decoder:
             elif len(p) + new > limit:
                 refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
                               f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
-                              f"or max_new_tokens")
+                              f"or max_tokens")
         if len(refused) == len(prompts):
             raise DSparkError(refused[0])
         return refused

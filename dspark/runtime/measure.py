@@ -32,9 +32,9 @@ class BatchRun:
         return asdict(self)
 
 
-def run_batch(rt, prompts: list, concurrency: int, policy: VerifyPolicy | str, max_new_tokens: int = 64,
+def run_batch(rt, prompts: list, concurrency: int, policy: VerifyPolicy | str, max_tokens: int = 64,
               temperature: float = 0.0, seed: int = 0) -> BatchRun:
-    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy,
+    options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy,
                             batch_size=concurrency)
     dec = rt.decoder(prompts, options)
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from dspark.schema import check_number, is_int
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """max_new_tokens: tokens to generate per request at most (a stop token ends a request earlier).
+    """max_tokens: tokens to generate per request at most (a stop token ends a request earlier).
     temperature: 0 = greedy; sampling is lossless at any temperature.
     seed: with the request's index, keys its noise: a request's tokens do not depend on what else is in flight.
     policy: how many drafts a round verifies, a VerifyPolicy or its text ("ar", "all", "fixed:N", "static:T",
@@ -23,7 +23,7 @@ class DecodeOptions:
         calibrated survival (the product of the per-position confidences) reaches it; "first" is DeepSpec's
         --confidence-threshold: cut at the first position whose own confidence is below it."""
 
-    max_new_tokens: int = 128
+    max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
     policy: VerifyPolicy | str = "all"
@@ -36,7 +36,7 @@ class DecodeOptions:
         if not isinstance(self.policy, VerifyPolicy):
             raise DSparkError(f"policy must be a VerifyPolicy or its text, not {type(self.policy).__name__}")
         check_policy(self.policy)
-        check_tokens("max_new_tokens", self.max_new_tokens)
+        check_tokens("max_tokens", self.max_tokens)
         check_temperature(self.temperature)
         check_seed(self.seed)
         if self.batch_size is not None:
@@ -59,7 +59,7 @@ MAX_TEMPERATURE = 100.0  # beyond it a distribution is uniform to float precisio
 # one validator per request value, for every way in (DecodeOptions, the engine's RequestOptions, HTTP, Triton, CLI)
 
 def check_tokens(name: str, value) -> int:
-    """A token budget (max_new_tokens, max_tokens): an integer of at least 1."""
+    """A token budget (max_tokens): an integer of at least 1."""
     return _integer(name, value, 1)
 
 

@@ -57,7 +57,7 @@ def read_responses(path: Path) -> list[dict]:
     return out
 
 
-def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_tokens: int = 256,
+def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_tokens: int = 256,
                        batch_size: int = 16, limit: int | None = None, threads: int | None = None,
                        progress=None) -> list[dict]:
     """Greedy target responses for `rows` (chat template applied), appended to out_path as they finish, with the
@@ -74,7 +74,7 @@ def generate_responses(bundle: Path, rows: list[dict], out_path: Path, max_new_t
     rt = Runtime(bundle, threads=threads)
     prompts = [rows[i]["prompt"] for i in order]
     taps = TapsLog()
-    dec = rt.decoder(prompts, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar", batch_size=batch_size),
+    dec = rt.decoder(prompts, DecodeOptions(max_tokens=max_tokens, policy="ar", batch_size=batch_size),
                      observers=[taps])
     taps_dir = out_path.parent / "taps"
     taps_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def compute_taps(bundle: Path, out_path: Path, rows: list[dict], limit: int | No
         part = todo[start:start + chunk]
         seqs = [by_index[i]["prompt_ids"] + by_index[i]["response_ids"][:-1] for i in part]
         taps = TapsLog()
-        for _ in rt.decoder(seqs, DecodeOptions(max_new_tokens=1, policy="ar", batch_size=batch_size),
+        for _ in rt.decoder(seqs, DecodeOptions(max_tokens=1, policy="ar", batch_size=batch_size),
                             observers=[taps]):
             pass
         for k, (i, seq) in enumerate(zip(part, seqs)):
@@ -163,7 +163,7 @@ def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
 
 
 def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: tuple[int, ...],
-                             max_new_tokens: int = 256, batch_size: int = 64, limit: int | None = None,
+                             max_tokens: int = 256, batch_size: int = 64, limit: int | None = None,
                              device: str = "cuda", progress=None, taps: bool = True) -> list[dict]:
     """The same cache as generate_responses, produced with HF generate on a GPU (batched, greedy), then one
     forward pass per finished response for the taps (HF hidden_states[l + 1]). For machines with CUDA.
@@ -189,7 +189,7 @@ def generate_responses_torch(loaded, rows: list[dict], out_path: Path, tap_ids: 
             for j, p in enumerate(prompts):  # left padding for generation
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
                                  do_sample=False, pad_token_id=pad, eos_token_id=sorted(stop) or None)
             for j, i in enumerate(chunk):
                 gen = out[j, width:].tolist()

@@ -48,7 +48,7 @@ class TrainOptions:
                                  help="Bundle used to generate responses (default: exported into OUTPUT/work).")
     max_prompts: int | None = option(default=None, type=click.IntRange(1),
                                      help="Generate responses for at most this many prompts.")
-    max_new_tokens: int = option(default=256, show_default=True, type=click.IntRange(8))
+    max_tokens: int = option(default=256, show_default=True, type=click.IntRange(8))
     gen_batch: int = option(default=16, show_default=True, type=click.IntRange(1, 512))
     layers: int = option(default=2, show_default=True, type=click.IntRange(1, 64))
     block_size: int = option(default=7, show_default=True, type=click.IntRange(1, 64))

@@ -119,12 +119,12 @@ class TrainRun(TrainOptions):
             added = import_responses(self.import_responses, responses, rows, ChatTokenizer(loaded.folder).encode_chat)
             self._say(f"imported {added} responses from {self.import_responses}")
         if torch.cuda.is_available() and self.bundle is None:  # GPU: HF generate is the fastest generator there
-            generate_responses_torch(loaded, rows, responses, drafter.cfg.target_layer_ids, self.max_new_tokens,
+            generate_responses_torch(loaded, rows, responses, drafter.cfg.target_layer_ids, self.max_tokens,
                                      max(self.gen_batch, 64), self.max_prompts, progress=progress)
             return
         # CPU: the ONNX Runtime bundle, autoregressive with continuous batching
         bundle = self._generation_bundle(Pair(loaded, target, drafter, "random"))
-        generate_responses(bundle, rows, responses, self.max_new_tokens, self.gen_batch, self.max_prompts,
+        generate_responses(bundle, rows, responses, self.max_tokens, self.gen_batch, self.max_prompts,
                            progress=progress)
         progress.done = 0
         computed = compute_taps(bundle, responses, rows, self.max_prompts, self.gen_batch, progress=progress)

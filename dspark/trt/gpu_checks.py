@@ -60,9 +60,9 @@ def greedy_decoding(bundle: Path, backends: dict[str, Backend]) -> list[Row]:
     runs = {}
     for label, backend in backends.items():
         runtime = Runtime(bundle, backend=backend)
-        runtime.generate([prompt], DecodeOptions(max_new_tokens=4))
+        runtime.generate([prompt], DecodeOptions(max_tokens=4))
         start = time.perf_counter()
-        result = runtime.generate([prompt], DecodeOptions(max_new_tokens=n))[0]
+        result = runtime.generate([prompt], DecodeOptions(max_tokens=n))[0]
         runs[label] = (result.token_ids, len(result.token_ids) / (time.perf_counter() - start))
     out = []
     for label in ("tensorrt", "tensorrt+graphs"):

@@ -44,7 +44,7 @@ def test_runtime_equals_reference_at_any_batch_size(tiny, temperature):
     if temperature == 0.0:
         assert ref_ds == ref_ar
     for batch in (None, 4, 1):
-        options = DecodeOptions(max_new_tokens=24, temperature=temperature, seed=3, batch_size=batch)
+        options = DecodeOptions(max_tokens=24, temperature=temperature, seed=3, batch_size=batch)
         ds = rt.generate(ps, options)
         ar = rt.generate(ps, options.replace(policy="ar"))
         assert [r.token_ids for r in ds] == ref_ds
@@ -58,7 +58,7 @@ PROMPT = [1, 4, 2, 0]
 
 def _bundle_samples(path, seed):
     rt = Runtime(path)
-    res = rt.generate([PROMPT] * SAMPLES, DecodeOptions(max_new_tokens=3, temperature=1.0, seed=seed, batch_size=4000))
+    res = rt.generate([PROMPT] * SAMPLES, DecodeOptions(max_tokens=3, temperature=1.0, seed=seed, batch_size=4000))
     return [tuple(r.token_ids) for r in res if len(r.token_ids) == 3], [r for r in res]
 
 
@@ -135,8 +135,8 @@ def test_trt_lint_is_clean_and_flags_unsupported_graphs(tiny, tmp_path):
 
 def test_runtime_imports_neither_torch_nor_transformers(tiny):
     code = ("import sys; from dspark.runtime import DecodeOptions, Runtime; rt = Runtime(sys.argv[1]); "
-            "rt.generate([[1, 2, 3]], DecodeOptions(max_new_tokens=5)); "
-            "list(rt.stream([1, 2], DecodeOptions(max_new_tokens=3))); "
+            "rt.generate([[1, 2, 3]], DecodeOptions(max_tokens=5)); "
+            "list(rt.stream([1, 2], DecodeOptions(max_tokens=3))); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
             "assert not bad, bad; print('clean')")
     out = subprocess.run([sys.executable, "-c", code, str(tiny[3])], capture_output=True, text=True)

@@ -133,7 +133,7 @@ def test_mapped_weights_decode_the_same_tokens_as_packed(bundles, precision):
     for mode in ("packed", "mapped"):
         with Runtime(bundles[precision], weights=mode) as rt:
             assert rt.backend.weights == mode
-            tokens[mode] = [rt.generate([prompt], DecodeOptions(max_new_tokens=12, policy=p))[0].token_ids
+            tokens[mode] = [rt.generate([prompt], DecodeOptions(max_tokens=12, policy=p))[0].token_ids
                             for p in ("ar", "all")]
     assert tokens["mapped"] == tokens["packed"]
     assert check_bundle(bundles[precision], weights="mapped").passed

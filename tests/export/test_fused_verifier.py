@@ -73,7 +73,7 @@ def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused, laned):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_fused_verifier_decodes_the_portable_verifiers_tokens(fused, temperature):
     ps = prompts(6, seed=3)
-    options = DecodeOptions(max_new_tokens=16, batch_size=1, temperature=temperature, seed=7)
+    options = DecodeOptions(max_tokens=16, batch_size=1, temperature=temperature, seed=7)
     rt = _runtime(fused, "fused")
     assert isinstance(rt.backend.verifier, FusedVerifier)
     ds = [r.token_ids for r in rt.generate(ps, options)]
@@ -113,7 +113,7 @@ def test_several_requests_take_fused_steps_in_lanes(fused, lanes, tmp_path):
     when the batch has more requests), with the tokens of the portable verifier and of AR."""
     folder = _with_lanes(fused, tmp_path / "bundle", lanes)
     ps = prompts(5, seed=4)
-    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    options = DecodeOptions(max_tokens=16, batch_size=3)
     rt = _runtime(folder, "auto")
     assert rt.backend.verifier.lanes == lanes
     batched = [r.token_ids for r in rt.generate(ps, options)]
@@ -128,7 +128,7 @@ def test_several_requests_fall_back_to_the_portable_graph_for_multi_position_ste
     """A fused graph without lanes (fp32 activations): drafted rounds of several requests run on the portable
     graph."""
     ps = prompts(5, seed=4)
-    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    options = DecodeOptions(max_tokens=16, batch_size=3)
     rt = _runtime(fused, "auto")
     assert rt.backend.verifier.lanes == 1
     batched = [r.token_ids for r in rt.generate(ps, options)]
@@ -142,7 +142,7 @@ def test_several_requests_fall_back_to_the_portable_graph_for_multi_position_ste
 def test_a_fused_step_writes_the_new_entries_into_the_cache(fused):
     """The same step through both graphs: the fused one leaves in the cache what the portable one returns."""
     rt = _runtime(fused, "fused")
-    dec = rt.decoder([prompts(1, seed=8)[0]], DecodeOptions(max_new_tokens=4))
+    dec = rt.decoder([prompts(1, seed=8)[0]], DecodeOptions(max_tokens=4))
     next(iter(dec))  # prefill
     kv = dec.kv
     length = int(kv.lengths[0])
@@ -176,7 +176,7 @@ def test_quantizing_the_verifier_rebuilds_its_fused_twin(fused, tmp_path):
     assert (q / f"{FUSED_FILE}.data").stat().st_size > 0
     assert sha256_file(fused / FUSED_FILE) == old  # the source bundle is untouched
     ps = prompts(4, seed=6)
-    options = DecodeOptions(max_new_tokens=16, batch_size=1)
+    options = DecodeOptions(max_tokens=16, batch_size=1)
     rt = _runtime(q, "fused")
     assert [r.token_ids for r in rt.generate(ps, options)] == \
         [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
@@ -239,7 +239,7 @@ def test_gguf_blocks_fuse_with_their_minimum_terms(fused, tmp_path, monkeypatch)
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["MatMulNBits"] == 4 * layers + 1 and ops["ReduceSum"] >= 3 * layers  # minimum terms' block sums
     ps = prompts(4, seed=12)
-    options = DecodeOptions(max_new_tokens=16, batch_size=1)
+    options = DecodeOptions(max_tokens=16, batch_size=1)
     fused_rt, portable_rt = _runtime(q, "fused"), _runtime(q, "portable")
     got = [r.token_ids for r in fused_rt.generate(ps, options)]
     assert got == [r.token_ids for r in fused_rt.generate(ps, options.replace(policy="ar"))]
@@ -262,7 +262,7 @@ def test_a_low_precision_bundle_gets_a_fused_verifier(tmp_path, precision):
     export_bundle(pair, out, max_context=256, force=True, quiet=True, precision=precision)
     man = Manifest.read(out)
     assert man.precision == precision and "verifier_fused" in man.graphs
-    ps, options = prompts(3, seed=2), DecodeOptions(max_new_tokens=12, batch_size=1)
+    ps, options = prompts(3, seed=2), DecodeOptions(max_tokens=12, batch_size=1)
     for weights in ("packed", "mapped"):
         fused_rt = Runtime(out, backend=OrtBackend(out, man, weights=weights, verifier="fused"))
         portable_rt = Runtime(out, backend=OrtBackend(out, man, weights=weights, verifier="portable"))
@@ -284,7 +284,7 @@ def test_export_keeps_a_valid_bundle_when_fusing_fails(tmp_path, monkeypatch):
                                  hidden=64)
     man = Manifest.read(bundle)
     assert "verifier_fused" not in man.graphs and not (bundle / FUSED_FILE).exists()
-    assert Runtime(bundle).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
+    assert Runtime(bundle).generate([[1, 2, 3]], DecodeOptions(max_tokens=4))[0].token_ids
 
 
 def test_a_fused_graph_that_is_not_this_bundles_is_refused(fused, tmp_path):
@@ -334,7 +334,7 @@ def test_a_batch_1_step_computes_a_position_as_a_longer_step_does(fused):
     attention runs on at least two rows: ort_fused._PadToTwo), so greedy DSpark equals AR on a verifier that
     quantizes activations too."""
     rt = _runtime(fused, "fused")
-    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_new_tokens=4))
+    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_tokens=4))
     next(iter(dec))
     kv, length = dec.kv, int(dec.kv.lengths[0])
     one_taps, one_cache = _step(rt, kv, [3])
@@ -347,12 +347,12 @@ def test_a_batch_1_step_computes_a_position_as_a_longer_step_does(fused):
 def test_a_step_that_fills_the_cache_leaves_out_the_padding_row(fused):
     rt = _runtime(fused, "fused")
     prompt = prompts(1, seed=9)[0]
-    dec = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_new_tokens=4), capacity=len(prompt) + 1)
+    dec = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_tokens=4), capacity=len(prompt) + 1)
     next(iter(dec))
     kv = dec.kv
     assert kv.room(0) == 1
     taps, cache = _step(rt, kv, [3])  # the padding row would go one past the cache: left out, no error
-    roomy = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_new_tokens=4), capacity=len(prompt) + 8)
+    roomy = Decoder(rt.backend, rt.manifest, [prompt], DecodeOptions(max_tokens=4), capacity=len(prompt) + 8)
     next(iter(roomy))
     roomy_taps, roomy_cache = _step(rt, roomy.kv, [3])
     assert np.allclose(taps, roomy_taps, atol=1e-5)
@@ -373,7 +373,7 @@ def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(
     man = Manifest.read(q)
     assert man.quantized_activations("verifier") and not Manifest.read(fused).quantized_activations("verifier")
     ps = [[2]] + prompts(4, seed=4)  # a one-token prompt: prefilled alone on one row (plus its copy), or with others
-    options = DecodeOptions(max_new_tokens=16, batch_size=3)
+    options = DecodeOptions(max_tokens=16, batch_size=3)
     rt = _runtime(q, "auto")
     assert rt.backend.verifier.alone and rt.backend.verifier.lanes == lanes
     rt.backend.prepare(3)
@@ -423,7 +423,7 @@ def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fus
                   if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
         assert levels == {4}, graph
     ps = prompts(3, seed=9)
-    options = DecodeOptions(max_new_tokens=12, batch_size=1)
+    options = DecodeOptions(max_tokens=12, batch_size=1)
     rt = _runtime(q, "auto")
     assert [r.token_ids for r in rt.generate(ps, options)] == \
         [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
@@ -450,7 +450,7 @@ def test_a_prefill_returns_the_prompts_entries_only(fused, length):
     """A batch-1 prefill pads its attention too; the new K/V it returns are the prompt's (as the portable
     verifier's), not the padding row's."""
     rt = _runtime(fused, "fused")
-    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_new_tokens=4))
+    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_tokens=4))
     past, mask = dec.kv.prefill_feeds(1)
     feeds = {"tokens": np.arange(2, 2 + length, dtype=np.int64)[None], "past_mask": mask,
              "logit_index": np.array([[length - 1]]), "verify_len": np.zeros(1, np.int64),

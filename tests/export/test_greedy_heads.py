@@ -115,7 +115,7 @@ def test_greedy_decoding_with_greedy_heads_gives_the_same_tokens_and_rounds(bund
     man = Manifest.read(bundle)
     if policy == "schedule":
         man.calibration["sps_table"] = [60.0, 58, 50, 45, 40, 30, 25, 20, 18, 16, 14, 12]
-    options = DecodeOptions(max_new_tokens=20, policy=policy, batch_size=2)
+    options = DecodeOptions(max_tokens=20, policy=policy, batch_size=2)
     rt = _runtime(bundle)
     rt.manifest = man
     calls = _calls(rt)
@@ -126,14 +126,14 @@ def test_greedy_decoding_with_greedy_heads_gives_the_same_tokens_and_rounds(bund
     assert calls["heads_greedy"] > 0 and calls["heads"] == 0
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids and a.accepted == b.accepted and a.proposed == b.proposed
-    ar = Runtime(bundle).generate(PROMPTS, DecodeOptions(max_new_tokens=20, policy="ar"))
+    ar = Runtime(bundle).generate(PROMPTS, DecodeOptions(max_tokens=20, policy="ar"))
     assert [r.token_ids for r in fast] == [r.token_ids for r in ar]
 
 
 def test_a_round_with_a_sampled_request_keeps_the_full_heads(bundle):
     """Sampling needs the draft distributions: the greedy twin is not used, and the tokens are those of a runtime
     without it."""
-    options = DecodeOptions(max_new_tokens=16, policy="all", temperature=0.9, seed=4)
+    options = DecodeOptions(max_tokens=16, policy="all", temperature=0.9, seed=4)
     rt = _runtime(bundle)
     calls = _calls(rt)
     got = rt.generate(PROMPTS, options)
@@ -158,7 +158,7 @@ def test_quantizing_the_heads_rebuilds_their_greedy_twin(bundle, tmp_path):
     assert man.graphs["heads_greedy"].sha256 == sha256_file(q / GREEDY_FILE) != before
     model = onnx.load(str(q / GREEDY_FILE), load_external_data=False)
     assert any(n.op_type == "MatMulNBits" for n in model.graph.node)
-    options = DecodeOptions(max_new_tokens=16, policy="all")
+    options = DecodeOptions(max_tokens=16, policy="all")
     rt = _runtime(q)
     calls = _calls(rt)
     assert ([r.token_ids for r in rt.generate(PROMPTS, options)]
@@ -194,7 +194,7 @@ def test_a_heads_graph_without_its_samplers_is_refused_and_export_goes_on(bundle
     with pytest.warns(UserWarning, match="no greedy heads graph in this bundle: cannot rewrite this one"):
         *_, plain = tiny_bundle(tmp_path / "b", family="llama", vocab=12, layers=2, block_size=3, seed=2)
     assert "heads_greedy" not in Manifest.read(plain).graphs and not (plain / GREEDY_FILE).exists()
-    assert Runtime(plain).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
+    assert Runtime(plain).generate([[1, 2, 3]], DecodeOptions(max_tokens=4))[0].token_ids
 
 
 def test_a_greedy_heads_entry_that_is_not_this_bundles_is_refused(bundle, tmp_path):

@@ -18,7 +18,7 @@ from test_bundle_tiny import PROMPT, SAMPLES, V, prompts
 def sample_paths(bundle, samples: int, seed: int):
     """`samples` requests of 3 sampled tokens after PROMPT, in batches of 1000 (one batch of thousands is much
     slower); (the complete 3-token paths, every result)."""
-    results = Runtime(bundle).generate([PROMPT] * samples, DecodeOptions(max_new_tokens=3, temperature=1.0,
+    results = Runtime(bundle).generate([PROMPT] * samples, DecodeOptions(max_tokens=3, temperature=1.0,
                                                                          seed=seed, batch_size=1000))
     return [tuple(r.token_ids) for r in results if len(r.token_ids) == 3], results
 
@@ -45,8 +45,8 @@ def test_heads_become_matmulnbits_and_the_manifest_says_so(quantized):
 def test_quantized_heads_keep_greedy_output_and_check_passes(quantized):
     _, original, q, _ = quantized
     ps = prompts(8, seed=5)
-    want = [r.token_ids for r in Runtime(original).generate(ps, DecodeOptions(max_new_tokens=20, policy="ar"))]
-    got = Runtime(q).generate(ps, DecodeOptions(max_new_tokens=20))
+    want = [r.token_ids for r in Runtime(original).generate(ps, DecodeOptions(max_tokens=20, policy="ar"))]
+    got = Runtime(q).generate(ps, DecodeOptions(max_tokens=20))
     assert [r.token_ids for r in got] == want
     rep = check_bundle(q)
     assert rep.passed
@@ -107,7 +107,7 @@ def test_quantize_a_bundle_copied_with_hard_links(tiny_bundle_v6, tmp_path):
     quantize_graph(linked, "heads", min_elements=0)
     assert "heads" in Manifest.read(linked).quantized
     assert {f.name: sha256_file(f) for f in src.iterdir() if f.is_file()} == before
-    assert Runtime(linked).generate([[1, 2, 3]], DecodeOptions(max_new_tokens=4))[0].token_ids
+    assert Runtime(linked).generate([[1, 2, 3]], DecodeOptions(max_tokens=4))[0].token_ids
 
 
 def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp_path):
@@ -122,7 +122,7 @@ def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp
     q = tmp_path / "q"
     shutil.copytree(tiny_bundle_v6[3], q)
     quantize_bundle(q, ["draft"], QuantizeOptions(bits=8, min_elements=0))  # the verifier still reads the file
-    want = Runtime(q).generate([PROMPT], DecodeOptions(max_new_tokens=8))[0].token_ids
+    want = Runtime(q).generate([PROMPT], DecodeOptions(max_tokens=8))[0].token_ids
     linked = tmp_path / "linked"
     linked.mkdir()
     for f in q.iterdir():
@@ -138,5 +138,5 @@ def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp
     for g, path in graphs.items():
         manifest.graphs[g].sha256 = sha256_file(path)
     manifest.write(linked)
-    assert Runtime(linked).generate([PROMPT], DecodeOptions(max_new_tokens=8))[0].token_ids == want
+    assert Runtime(linked).generate([PROMPT], DecodeOptions(max_tokens=8))[0].token_ids == want
     assert {f.name: sha256_file(f) for f in q.iterdir() if f.is_file()} == before

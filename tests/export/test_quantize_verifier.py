@@ -106,7 +106,7 @@ def test_greedy_dspark_equals_the_quantized_verifiers_own_ar(gguf_bundle, batch)
     _, q, _ = gguf_bundle
     rt = Runtime(q)
     ps = prompts(8, seed=9)
-    options = DecodeOptions(max_new_tokens=20, batch_size=batch)
+    options = DecodeOptions(max_tokens=20, batch_size=batch)
     ar = [r.token_ids for r in rt.generate(ps, options.replace(policy="ar"))]
     ds = rt.generate(ps, options)
     assert [r.token_ids for r in ds] == ar
@@ -148,8 +148,8 @@ def test_an_hf_target_goes_through_onnxruntimes_quantizer(tiny_bundle_v6, tmp_pa
     assert rec["onnxruntime_quantizer"]["matmuls"] == {"4-bit, accuracy_level 0": 14, "8-bit, accuracy_level 4": 1}
     rt = Runtime(q)
     ps = prompts(6, seed=4)
-    ar = [r.token_ids for r in rt.generate(ps, DecodeOptions(max_new_tokens=16, policy="ar"))]
-    assert [r.token_ids for r in rt.generate(ps, DecodeOptions(max_new_tokens=16))] == ar
+    ar = [r.token_ids for r in rt.generate(ps, DecodeOptions(max_tokens=16, policy="ar"))]
+    assert [r.token_ids for r in rt.generate(ps, DecodeOptions(max_tokens=16))] == ar
 
 
 def test_cli_prints_the_agreement_and_refuses_bad_requests(gguf_bundle, tmp_path):
@@ -189,9 +189,9 @@ def test_a_reference_too_big_to_pack_is_scored_mapped_one_verifier_at_a_time(ggu
             modes[Path(folder)] = weights
 
     monkeypatch.setattr(agreement, "LogitsGraph", Spy)
-    packed = agreement.measure_agreement(fp32, q, prompts=3, max_new_tokens=8)
+    packed = agreement.measure_agreement(fp32, q, prompts=3, max_tokens=8)
     assert packed.text_from == "reference" and modes == {Path(fp32): "packed", Path(q): "packed"}
     monkeypatch.setattr(agreement, "weights_mode", lambda folder, manifest: "mapped")
-    mapped = agreement.measure_agreement(fp32, q, prompts=3, max_new_tokens=8)
+    mapped = agreement.measure_agreement(fp32, q, prompts=3, max_tokens=8)
     assert mapped.text_from == "quantized" and modes == {Path(fp32): "mapped", Path(q): "packed"}
     assert mapped.positions == packed.positions == 24 and 0.5 <= mapped.top1 <= 1.0

@@ -32,8 +32,8 @@ def test_ort_dspark_equals_ort_ar_equals_pytorch_reference(smollm2, smollm2_bund
     rt = Runtime(smollm2_bundle)
     ids = [rt.encode(p) for p in dev_prompts(N_PROMPTS, stride=10)]
     assert len(ids) == N_PROMPTS
-    ds = rt.generate(ids, DecodeOptions(max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS))
-    ar = rt.generate(ids, DecodeOptions(max_new_tokens=NEW_TOKENS, batch_size=N_PROMPTS, policy="ar"))
+    ds = rt.generate(ids, DecodeOptions(max_tokens=NEW_TOKENS, batch_size=N_PROMPTS))
+    ar = rt.generate(ids, DecodeOptions(max_tokens=NEW_TOKENS, batch_size=N_PROMPTS, policy="ar"))
     ref = generate_ar(pair.target, ids, NEW_TOKENS, stop_ids=tuple(rt.manifest.stop_token_ids))
     for d, a, r in zip(ds, ar, ref):
         assert a.token_ids == r.token_ids
@@ -83,7 +83,7 @@ def test_the_fused_verifier_at_batch_1_fp32_and_gguf_blocks(smollm2, smollm2_bun
         rt = Runtime(bundle, backend=OrtBackend(bundle, man, verifier="fused"))
         assert isinstance(rt.backend.verifier, FusedVerifier)
         ids = ids or [rt.encode(p) for p in dev_prompts(3, stride=17)]
-        options = DecodeOptions(max_new_tokens=48, batch_size=1, policy="all")
+        options = DecodeOptions(max_tokens=48, batch_size=1, policy="all")
         ds = [r.token_ids for r in rt.generate(ids, options)]
         ar = [r.token_ids for r in rt.generate(ids, options.replace(policy="ar"))]
         assert ds == ar

@@ -71,8 +71,8 @@ def test_shortlisted_bundle_passes_check_and_matches_ar(shortlisted):
     assert rep.passed, [r for r in rep.rows if not r.passed]
     rt = Runtime(path)
     ps = [[1, 4, 2, 0], [3, 3, 5], [0, 1]]
-    ds = rt.generate(ps, DecodeOptions(max_new_tokens=24))
-    ar = rt.generate(ps, DecodeOptions(max_new_tokens=24, policy="ar"))
+    ds = rt.generate(ps, DecodeOptions(max_tokens=24))
+    ar = rt.generate(ps, DecodeOptions(max_tokens=24, policy="ar"))
     assert [r.token_ids for r in ds] == [r.token_ids for r in ar]
 
 
@@ -81,7 +81,7 @@ def test_shortlisted_bundle_sampling_is_lossless(shortlisted):
     hf, target, drafter, path = shortlisted
     prompt = [1, 4, 2, 0]
     rt = Runtime(path)
-    res = rt.generate([prompt] * 24000, DecodeOptions(max_new_tokens=3, temperature=1.0, seed=5, batch_size=4000))
+    res = rt.generate([prompt] * 24000, DecodeOptions(max_tokens=3, temperature=1.0, seed=5, batch_size=4000))
     stop = set(rt.manifest.stop_token_ids)
     samples = [tuple(r.token_ids) for r in res if len(r.token_ids) == 3]
     expected = {k: p for k, p in exact_joint(hf, prompt, 3, V).items() if not stop.intersection(k[:2])}

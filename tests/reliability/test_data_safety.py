@@ -84,7 +84,7 @@ def test_calibrate_writes_only_the_draft_config_and_only_after_validating(tiny_b
     weights = sha256_file(draft / "model.safetensors")
     raw = json.loads((draft / "config.json").read_text())
     prompts = [" ".join(f"w{(i * 7 + j) % 5}" for j in range(3 + i % 4)) for i in range(6)]
-    report = calibrate(bundle, prompts, tmp_path / "cal", draft, max_new_tokens=24)
+    report = calibrate(bundle, prompts, tmp_path / "cal", draft, max_tokens=24)
     after = json.loads((draft / "config.json").read_text())
     assert after.pop("confidence_temperatures") == pytest.approx(report["sts_temperatures"])
     raw.pop("confidence_temperatures", None)
@@ -107,20 +107,20 @@ def test_a_request_that_exactly_fits_the_context_is_served(bundle):
     rt = Runtime(no_stop_bundle(bundle))
     limit = rt.manifest.max_context
     prompt = [1, 2, 3, 4, 5]
-    got = {policy: rt.generate([prompt], DecodeOptions(max_new_tokens=limit - len(prompt), policy=policy))[0]
+    got = {policy: rt.generate([prompt], DecodeOptions(max_tokens=limit - len(prompt), policy=policy))[0]
            for policy in ("ar", "all")}
     assert len(got["ar"].token_ids) == len(got["all"].token_ids) == limit - len(prompt)
     assert got["ar"].token_ids == got["all"].token_ids  # greedy DSpark equals AR to the last position
     assert max(got["all"].committed) > 1  # it did draft before the last positions
     with pytest.raises(DSparkError, match="request 0 needs"):
-        rt.generate([prompt], DecodeOptions(max_new_tokens=limit - len(prompt) + 1))
+        rt.generate([prompt], DecodeOptions(max_tokens=limit - len(prompt) + 1))
 
 
 def test_an_overflowing_request_fails_alone(bundle):
     from dspark.runtime import DecodeOptions, Runtime
 
     rt = Runtime(no_stop_bundle(bundle))
-    options = DecodeOptions(max_new_tokens=12, batch_size=2)
+    options = DecodeOptions(max_tokens=12, batch_size=2)
     alone = rt.generate([[1, 2], [3, 4, 5]], options)
     mixed = rt.generate([[1, 2], [1] * (rt.manifest.max_context - 4), [3, 4, 5]], options)
     assert mixed[1].error and "request 1" in mixed[1].error and mixed[1].token_ids == []
@@ -171,7 +171,7 @@ def test_api_values_are_refused_by_name():
     from dspark.runtime import DecodeOptions
 
     for kw, name in (({"temperature": float("nan")}, "temperature"), ({"seed": -4}, "seed"),
-                     ({"policy": "static:2.5"}, "threshold"), ({"max_new_tokens": np.int64(0)}, "max_new_tokens")):
+                     ({"policy": "static:2.5"}, "threshold"), ({"max_tokens": np.int64(0)}, "max_tokens")):
         with pytest.raises(DSparkError, match=name):
             DecodeOptions(**kw)
     assert DecodeOptions(temperature=np.float32(0.5), seed=np.int64(3)).temperature == 0.5
@@ -193,8 +193,8 @@ def test_deepspec_first_position_threshold_rule(bundle):
     assert cumulative.after(survival, np.array([True, False, True]), np.array([1, 1, 2])).tolist() == [1, 0, 2]
     rt = Runtime(no_stop_bundle(bundle))
     prompts = [[1, 2, 3], [4, 1]]
-    ar = [r.token_ids for r in rt.generate(prompts, DecodeOptions(max_new_tokens=30, policy="ar"))]
-    got = rt.generate(prompts, first.replace(max_new_tokens=30))
+    ar = [r.token_ids for r in rt.generate(prompts, DecodeOptions(max_tokens=30, policy="ar"))]
+    got = rt.generate(prompts, first.replace(max_tokens=30))
     assert [r.token_ids for r in got] == ar  # greedy: lossless under either rule
     with pytest.raises(DSparkError, match="threshold_rule"):
         DecodeOptions(threshold_rule="last")

@@ -15,9 +15,9 @@ from support.polling import wait_until
 PROMPTS = [[1, 2, 3], [2, 2, 4, 1], [3], [4, 1, 1, 2, 3, 2], [0, 4], [2, 3, 1, 1]]
 
 
-def alone(rt, prompt, max_new_tokens=24, temperature=0.0, seed=0, policy="all"):
+def alone(rt, prompt, max_tokens=24, temperature=0.0, seed=0, policy="all"):
     """What `dspark run` gives: the request decoded on its own."""
-    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, policy=policy)
+    options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy)
     return rt.generate([prompt], options)[0].token_ids
 
 
@@ -155,7 +155,7 @@ def test_rounds_compute_only_the_live_rows(tiny_bundle_v6, policy):
         engine.close(grace=0)
         asked = [(PROMPTS[4], dict(max_tokens=3)), (PROMPTS[1], dict(max_tokens=16)),
                  (PROMPTS[3], dict(max_tokens=30, temperature=1.0, seed=4))]  # the sampled one moves: slot 2 -> 0
-        options = [DecodeOptions(max_new_tokens=o["max_tokens"], temperature=o.get("temperature", 0.0),
+        options = [DecodeOptions(max_tokens=o["max_tokens"], temperature=o.get("temperature", 0.0),
                                  seed=o.get("seed", 0), policy=policy) for _, o in asked]
         lone = [rt.generate([p], o)[0] for (p, _), o in zip(asked, options)]
         spy.rows.clear()

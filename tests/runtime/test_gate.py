@@ -266,9 +266,9 @@ def test_gated_decoding_is_exact_and_feeds_the_draft_every_position(tiny_bundle_
     rt = Runtime(tiny_bundle_v6[3])
     prompt = [[1, 4, 2, 0, 3]]
     free = np.full(64, 1e9, dtype=np.float32)
-    ar = rt.generate(prompt, DecodeOptions(max_new_tokens=40, policy="ar"))[0].token_ids
-    plain = rt.decoder(prompt, DecodeOptions(max_new_tokens=40))
-    gated = rt.decoder(prompt, DecodeOptions(max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free)))
+    ar = rt.generate(prompt, DecodeOptions(max_tokens=40, policy="ar"))[0].token_ids
+    plain = rt.decoder(prompt, DecodeOptions(max_tokens=40))
+    gated = rt.decoder(prompt, DecodeOptions(max_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free)))
     gated.gate.live_scale = False  # keep the table's free verifier: measured steps would make it cost something
     gated.gate.hopeless_probe, gated.gate.hopeless_factor = gated.gate.max_probe, 1  # several probes in 40 tokens
     for dec in (plain, gated):
@@ -291,8 +291,8 @@ def test_a_runtime_hands_the_next_decode_the_gate_the_last_one_finished_with(tin
     rt = Runtime(tiny_bundle_v6[3])
     prompt = [[1, 4, 2, 0, 3]]
     free = np.full(64, 1e9, dtype=np.float32)  # a verifier that costs nothing: drafting never pays
-    options = DecodeOptions(max_new_tokens=24, policy=VerifyPolicy("all", gate=True, sps=free))
-    ar = rt.generate(prompt, DecodeOptions(max_new_tokens=24, policy="ar"))[0].token_ids
+    options = DecodeOptions(max_tokens=24, policy=VerifyPolicy("all", gate=True, sps=free))
+    ar = rt.generate(prompt, DecodeOptions(max_tokens=24, policy="ar"))[0].token_ids
     first = rt.decoder(prompt, options)
     first.gate.live_scale = False
     assert rt.decoder(prompt, options).gate is not first.gate  # first's is out: a fresh one

@@ -127,7 +127,7 @@ def test_bundle_sampling_is_lossless_with_scheduling(tiny_bundle_v6, kind):
     n = np.arange(1, batch * 4 + 2)
     sps = np.exp(-0.3 / batch * np.maximum(n - batch, 0)).astype(np.float32)  # admit drafts with a > ~0.3
     rt = Runtime(path)
-    dec = rt.decoder([PROMPT] * SAMPLES, DecodeOptions(max_new_tokens=3, temperature=1.0, seed=77, batch_size=batch,
+    dec = rt.decoder([PROMPT] * SAMPLES, DecodeOptions(max_tokens=3, temperature=1.0, seed=77, batch_size=batch,
                                                        policy=VerifyPolicy(kind, sps=sps, layout=ref.FLAT)))
     for _ in dec:
         pass
@@ -167,9 +167,9 @@ def test_batch_run_counts_padded_and_useful_positions(tiny_bundle_v6):
 
     rt = Runtime(tiny_bundle_v6[3])
     prompts = [[1, 2, 3], [4, 0], [2, 2, 1, 5, 3], [0]]
-    ar = run_batch(rt, prompts, 2, "ar", max_new_tokens=6)
+    ar = run_batch(rt, prompts, 2, "ar", max_tokens=6)
     assert ar.useful_positions <= ar.padded_positions == 2 * ar.rounds
-    fixed = run_batch(rt, prompts, 3, "fixed:2", max_new_tokens=6)
+    fixed = run_batch(rt, prompts, 3, "fixed:2", max_tokens=6)
     assert fixed.useful_positions <= fixed.padded_positions <= 3 * 3 * fixed.rounds
     assert fixed.mean_verify_budget <= 2
     assert fixed.tokens == ar.tokens  # greedy: the same tokens whatever the policy

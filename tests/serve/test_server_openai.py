@@ -17,9 +17,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def dspark_run(bundle, prompt, max_new_tokens, *args):
+def dspark_run(bundle, prompt, max_tokens, *args):
     out = subprocess.run([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "run", str(bundle),
-                          "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--threads", "1", "--json",
+                          "--prompt", prompt, "--max-new-tokens", str(max_tokens), "--threads", "1", "--json",
                           *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -41,7 +41,7 @@ def test_chat_greedy_equals_dspark_run(tiny_bundle_v6, client):
 def test_completions_greedy_equal_the_runtime_on_every_prompt(runtime, client):
     for prompt in PROMPTS:
         ids = runtime.tokenizer.encode(prompt)
-        expected = runtime.generate([ids], DecodeOptions(max_new_tokens=16))[0]
+        expected = runtime.generate([ids], DecodeOptions(max_tokens=16))[0]
         for as_ids in (False, True):
             reply = client.completions.create(model="tiny", prompt=ids if as_ids else prompt, max_tokens=16,
                                               temperature=0)
@@ -59,7 +59,7 @@ def test_seeded_sampling_through_the_server_is_reproducible(tiny_bundle_v6, clie
 
 
 def test_streaming_gives_the_same_text_in_pieces_and_usage(runtime, client):
-    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_new_tokens=24, temperature=1.0, seed=3))[0]
+    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_tokens=24, temperature=1.0, seed=3))[0]
     for chat in (True, False):
         if chat:
             stream = client.chat.completions.create(
@@ -78,7 +78,7 @@ def test_streaming_gives_the_same_text_in_pieces_and_usage(runtime, client):
 
 
 def test_stop_strings(runtime, client):
-    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_new_tokens=24, temperature=1.0, seed=3))[0].text
+    expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_tokens=24, temperature=1.0, seed=3))[0].text
     stop = expected.split()[2]
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}],
                                            max_tokens=24, temperature=1, seed=3, stop=[stop])
@@ -109,7 +109,7 @@ def test_a_request_without_temperature_decodes_greedily_and_the_folder_name_is_a
     """The server's default temperature is `dspark run`'s and the Triton model's (0), so the same request gives the
     same text every time; the bundle folder's name is a model id as good as --model-name's."""
     for prompt in PROMPTS[:2]:
-        expected = runtime.generate([runtime.tokenizer.encode(prompt)], DecodeOptions(max_new_tokens=16))[0]
+        expected = runtime.generate([runtime.tokenizer.encode(prompt)], DecodeOptions(max_tokens=16))[0]
         for model in ("tiny", tiny_bundle_v6[3].name):
             reply = client.completions.create(model=model, prompt=prompt, max_tokens=16)
             assert reply.choices[0].text == expected.text and reply.model == "tiny"

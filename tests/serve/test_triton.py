@@ -107,7 +107,7 @@ def stream(address, inputs):
 def test_triton_greedy_tokens_equal_dspark_run_and_stream(tiny_bundle_v6, triton):
     rt = Runtime(tiny_bundle_v6[3], threads=1)
     for prompt in ([1, 2, 3], [4, 1, 0, 2], [3]):
-        expected = rt.generate([prompt], DecodeOptions(max_new_tokens=16))[0]
+        expected = rt.generate([prompt], DecodeOptions(max_tokens=16))[0]
         ids, pieces, finish = stream(triton["grpc"], [tensor("prompt_ids", np.array(prompt, dtype=np.int64)),
                                                        tensor("max_tokens", np.array([16], dtype=np.int32))])
         assert sum(ids, []) == expected.token_ids
@@ -116,7 +116,7 @@ def test_triton_greedy_tokens_equal_dspark_run_and_stream(tiny_bundle_v6, triton
         assert finish in ("stop", "length")
     text = "w2 w4 w1"
     # the model's default policy here is ar (the bundle has no SPS table); a seed keys the tokens of one policy
-    expected = rt.generate([text], DecodeOptions(max_new_tokens=12, temperature=1.0, seed=4, policy="ar"))[0]
+    expected = rt.generate([text], DecodeOptions(max_tokens=12, temperature=1.0, seed=4, policy="ar"))[0]
     ids, _, _ = stream(triton["grpc"], [tensor("text_input", np.array([text.encode()], dtype=np.object_)),
                                         tensor("max_tokens", np.array([12], dtype=np.int32)),
                                         tensor("temperature", np.array([1.0], dtype=np.float32)),

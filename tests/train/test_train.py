@@ -246,7 +246,7 @@ def test_calibrate_writes_manifest_plot_and_report(tiny_bundle_v6, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle_v6[3], bundle)
     prompts = [" ".join(f"w{(i * 7 + j) % 5}" for j in range(4)) for i in range(40)]
-    rep = calibrate(bundle, prompts, tmp_path / "cal", max_new_tokens=24, temperature=1.0)
+    rep = calibrate(bundle, prompts, tmp_path / "cal", max_tokens=24, temperature=1.0)
     man = Manifest.read(bundle)
     assert man.calibration["sts_temperatures"] == rep["sts_temperatures"]
     assert len(rep["after"]) == man.block_size and rep["rounds"] > 50
@@ -285,7 +285,7 @@ def test_imported_responses_get_the_taps_generation_records(tiny_bundle_v6, tmp_
     rows = [{"prompt": " ".join(f"w{(i * 3 + j) % 5}" for j in range(3 + i % 4)), "domain": "ab"[i % 2]}
             for i in range(6)]
     made, here = tmp_path / "gpu" / "responses.jsonl", tmp_path / "here" / "responses.jsonl"
-    generate_responses(bundle, rows, made, max_new_tokens=12, batch_size=3)
+    generate_responses(bundle, rows, made, max_tokens=12, batch_size=3)
     encode = ChatTokenizer(bundle).encode_chat
     assert import_responses(made, here, rows, encode) == 6
     assert import_responses(made, here, rows, encode) == 0  # already there

@@ -26,7 +26,7 @@ def bundle(tiny_bundle_v6):
 
 
 def decode(backend, man, prompts=PROMPTS, prepare=None, observers=(), **options):
-    dec = Decoder(backend, man, prompts, DecodeOptions(**{"max_new_tokens": 24, **options}), observers=observers)
+    dec = Decoder(backend, man, prompts, DecodeOptions(**{"max_tokens": 24, **options}), observers=observers)
     if prepare is not None:
         prepare(dec)
     for _ in dec:
@@ -59,9 +59,9 @@ def test_trt_backend_decodes_like_onnxruntime(bundle, temperature):
 
 def test_steady_state_binds_nothing_and_replays_cuda_graphs(bundle):
     backend, man = emulated_backend(bundle, max_batch=2, max_context=96, cuda_graphs=True)
-    want = decode(*emulated_backend(bundle, max_batch=2, max_context=96), prompts=PROMPTS[:2], max_new_tokens=40)
+    want = decode(*emulated_backend(bundle, max_batch=2, max_context=96), prompts=PROMPTS[:2], max_tokens=40)
     cuda = backend.device.cuda
-    dec = Decoder(backend, man, PROMPTS[:2], DecodeOptions(max_new_tokens=40))
+    dec = Decoder(backend, man, PROMPTS[:2], DecodeOptions(max_tokens=40))
     it = iter(dec)
     for _ in range(12):  # prefill and the first rounds: buffers allocated, shapes seen, graphs captured
         next(it)
@@ -85,13 +85,13 @@ def test_repeated_decodes_reuse_device_memory_and_a_collected_backend_frees_it(b
 
     backend, man = emulated_backend(bundle, max_batch=3, max_context=96, cuda_graphs=True)
     cuda = backend.device.cuda
-    first = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_new_tokens=30).results]
+    first = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_tokens=30).results]
     mallocs, captures, replays = cuda.counts["malloc"], cuda.counts["capture"], cuda.counts["replay"]
-    again = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_new_tokens=30).results]
+    again = [r.token_ids for r in decode(backend, man, PROMPTS[:2], max_tokens=30).results]
     assert again == first
     assert cuda.counts["malloc"] == mallocs and cuda.counts["capture"] == captures
     assert cuda.counts["replay"] > replays
-    decode(backend, man, PROMPTS[:3], max_new_tokens=8, batch_size=3)  # other cache shapes: new blocks
+    decode(backend, man, PROMPTS[:3], max_tokens=8, batch_size=3)  # other cache shapes: new blocks
     pooled = sum(map(len, backend.device.pool.values()))
     assert pooled >= 6 and backend.device.trim() > 0  # both decodes' caches, rows and zeros were pooled
     assert cuda.counts["free"] >= pooled and not backend.device.pool
@@ -106,19 +106,19 @@ def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
     """With verification free, the gate skips most drafts, so more rows wait than the draft input holds; the
     device rows grow and the tokens stay exact."""
     backend, man = emulated_backend(bundle, max_batch=1, max_context=96)
-    ar = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40,
+    ar = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_tokens=40,
                 policy="ar")
     free = np.full(64, 1e9, dtype=np.float32)
 
     def probe_often(dec):  # several probes within 40 tokens, though no draft can pay against a free verifier
         dec.gate.hopeless_probe, dec.gate.hopeless_factor = dec.gate.max_probe, 1
 
-    gated = decode(backend, man, PROMPTS[:1], max_new_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free),
+    gated = decode(backend, man, PROMPTS[:1], max_tokens=40, policy=VerifyPolicy("all", gate=True, sps=free),
                    prepare=probe_often)
     assert gated.results[0].token_ids == ar.results[0].token_ids
     assert 2 <= gated.times.drafted < gated.times.rounds
     assert gated.slots.ctx.width > man.block_size + 1
-    plain = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_new_tokens=40)
+    plain = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), PROMPTS[:1], max_tokens=40)
     n = int(min(plain.draft_kv.lengths[0], gated.draft_kv.lengths[0]))  # the draft saw every position's features
     assert n > len(PROMPTS[0]) + 10
     cache = backend.device.cuda.view(gated.draft_kv.ptr, gated.draft_kv.shape, np.float32)
@@ -128,11 +128,11 @@ def test_draft_gate_piles_features_beyond_the_fixed_width(bundle):
 def test_engine_limits_are_clear_errors(bundle):
     backend, man = emulated_backend(bundle, max_batch=2, max_context=24)
     with pytest.raises(DSparkError, match="too long"):
-        Decoder(backend, man, [[1] * 30], DecodeOptions(max_new_tokens=4))
-    dec = Decoder(backend, man, PROMPTS, DecodeOptions(max_new_tokens=4, batch_size=8))
+        Decoder(backend, man, [[1] * 30], DecodeOptions(max_tokens=4))
+    dec = Decoder(backend, man, PROMPTS, DecodeOptions(max_tokens=4, batch_size=8))
     assert dec.batch == 2  # the engines hold two requests at a time; the others wait for a slot
     with pytest.raises(DSparkError, match="context overflow"):
-        decode(backend, man, [[1] * 12], max_new_tokens=40)
+        decode(backend, man, [[1] * 12], max_tokens=40)
     with pytest.raises(DSparkError, match="outside its optimization profile"):
         backend.verifier.run({**{t.name: np.zeros([3 if d == "batch" else 1 if isinstance(d, str) else d
                                                     for d in t.shape], dtype=t.dtype)
@@ -185,7 +185,7 @@ def test_pingpong_micro_batches_on_two_lanes_give_the_same_tokens(bundle, temper
     backend, man = emulated_backend(bundle, max_batch=2, max_context=96)
     single = decode(OrtBackend(bundle, Manifest.read(bundle)), Manifest.read(bundle), temperature=temperature, seed=9)
     run = generate_pingpong(Rt(backend, man), PROMPTS, micro_batches=2,
-                            options=DecodeOptions(max_new_tokens=24, temperature=temperature, seed=9))
+                            options=DecodeOptions(max_tokens=24, temperature=temperature, seed=9))
     assert run.lanes == 2 and run.tokens_per_s > 0
     assert [r.token_ids for r in run.results] == [r.token_ids for r in single.results]
     with pytest.raises(DSparkError, match="no lanes"):

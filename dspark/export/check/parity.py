@@ -56,7 +56,7 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> Non
     for name, graph in (("verifier", rt.backend.verifier), ("draft", rt.backend.draft), ("heads", rt.backend.heads)):
         graph.run = _recording(graph.run, captured[name], CAPTURE[name])
     prompt_ids = rt.encode(CHECK_PROMPT)
-    for _ in rt.decoder([prompt_ids], DecodeOptions(max_new_tokens=max_tokens)):
+    for _ in rt.decoder([prompt_ids], DecodeOptions(max_tokens=max_tokens)):
         if all(len(captured[k]) >= n for k, n in CAPTURE.items()):
             break  # every graph's inputs are in: the reference tokens come from PyTorch, not from this decode
     specs_of, stop = rt.manifest.graphs, tuple(rt.manifest.stop_token_ids)
@@ -212,7 +212,7 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
     e2e = {}
     own_verifier = "verifier" in manifest.quantized  # exact w.r.t. the quantized verifier, not the fp32 reference
     for mode, key in (("ar", "reference_ar"), ("dspark", "reference_dspark")):
-        options = DecodeOptions(max_new_tokens=expected["max_new_tokens"], policy="ar" if mode == "ar" else "all")
+        options = DecodeOptions(max_tokens=expected["max_new_tokens"], policy="ar" if mode == "ar" else "all")
         res = rt.generate([expected["prompt_ids"]], options)[0]
         if own_verifier and mode == "ar":
             own_ar = res.token_ids

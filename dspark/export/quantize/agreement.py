@@ -32,7 +32,7 @@ class Agreement:
     positions: int  # continuation positions compared
     top1: float  # fraction of positions where both argmaxes agree
     first_difference: list[int | None]  # per prompt: the first continuation position that differs
-    max_new_tokens: int
+    max_tokens: int
     text_from: str = "reference"  # whose greedy continuation was scored: "reference" or "quantized"
 
     def as_dict(self) -> dict:
@@ -79,7 +79,7 @@ def logits_name(folder: Path) -> str:
     return vocab_matmul_output(graph, manifest.target["vocab_size"])
 
 
-def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_new_tokens: int = 32,
+def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_tokens: int = 32,
                       prompt_file: Path | None = None, threads: int | None = None) -> Agreement:
     """Top-1 agreement of quantized/verifier.onnx with reference/verifier.onnx (both bundle folders)."""
     manifest = Manifest.read(reference)
@@ -91,10 +91,10 @@ def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_ne
     # counts this process's freed memory, which its sessions reuse, as taken)
     with Runtime(text_from, threads=threads, weights="packed") as rt:
         encoded = [rt.encode(r["prompt"]) for r in rows]
-        room = manifest.max_context - max_new_tokens - 1
+        room = manifest.max_context - max_tokens - 1
         encoded = [ids[-room:] for ids in encoded]
         seqs = [ids + out.token_ids for ids, out in
-                zip(encoded, rt.generate(encoded, DecodeOptions(max_new_tokens=max_new_tokens, policy="ar")))]
+                zip(encoded, rt.generate(encoded, DecodeOptions(max_tokens=max_tokens, policy="ar")))]
     spans = [slice(len(ids) - 1, len(seq) - 1) for ids, seq in zip(encoded, seqs)]  # next token: a continuation's
     top1 = []
     for folder in (reference, quantized):  # one verifier in memory at a time
@@ -108,5 +108,5 @@ def measure_agreement(reference: Path, quantized: Path, prompts: int = 6, max_ne
         agree += int(same.sum())
         total += len(same)
         firsts.append(int(np.argmin(same)) if not same.all() else None)
-    return Agreement(len(rows), total, agree / max(total, 1), firsts, max_new_tokens,
+    return Agreement(len(rows), total, agree / max(total, 1), firsts, max_tokens,
                      "reference" if text_from == reference else "quantized")

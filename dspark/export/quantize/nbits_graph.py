@@ -4,6 +4,10 @@ Transpose/Cast/Identity leads from a stored initializer to them, and replace the
 Nothing here assumes how a bundle stores its weights (fp32 or fp16/bf16 initializers, a tied embedding read
 through a Transpose, external data in any file): the model is an onnx.load result with its data resolved, and
 every weight is followed back to the initializer it comes from.
+
+    before:  initializer W [K, N] (fp32/fp16/bf16) --(Transpose | Cast | Identity)*--> MatMul(x, .) --> y
+    after:   B (uint8 blocks), scales[, zero_points] ------------------------------> MatMulNBits(x, B, ...) --> y
+             (the chain and W leave the graph when nothing else reads them)
 """
 from __future__ import annotations
 

@@ -7,6 +7,11 @@ beside it) and its attention per request, in "lanes": lane 0 reads `past.{l}.*` 
 writes `present.{l}.*`; lane r > 0 reads `lane{r}.past.{l}.*` and writes `lane{r}.present.{l}.*`, inside nested Ifs
 that run it only when the step has more than r requests (a lane past the batch is fed a dummy cache).
 
+    q, k, v [B rows] --> Slice row 0 --> GroupQueryAttention(past.{l}.*)          --> Concat --> o projection
+                     \-> If B > 1:    Slice row 1 --> GQA(lane1.past.{l}.*)        --/   (all B rows)
+                                      \-> If B > 2: Slice row 2 --> GQA(lane2...)  --/
+                                                    ...  (nested, up to `lanes` requests)
+
 Each lane is exactly a batch-1 step of the fused graph: the same kernel call on the same rows, padded to two
 positions in the same cases (ort_fused._PadToTwo), with RoPE tables whose rows are the same values. So a request's
 tokens do not depend on the requests beside it, and a batch of several requests reads the weights once per step

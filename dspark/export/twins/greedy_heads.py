@@ -9,6 +9,11 @@ decisions as with the one-hot ones: a draft is accepted iff the target's argmax 
 is 1e8 or 0 against noise in (0, 1]), and the correction is the target's argmax (the residual (p - q)+ of a
 one-hot p and a zero q is p).
 
+    heads.onnx:         hidden --> Markov head --> logits --> softmax/CDF(temperature, draft_noise) --> draft tokens,
+                                                                 draft_probs (scattered to the full vocabulary)
+    heads_greedy.onnx:  hidden --> Markov head --> logits --> ArgMax --> draft tokens (no draft_probs output)
+                        both:  --> confidence head --> survival --> ConfidenceTruncate --> verify_len
+
 On SmolLM2's demo drafter (16k draft vocabulary) a heads call takes 3.7 -> 2.1 ms at batch 1 and 19.4 -> 7.3 ms at
 batch 8 on 2 CPU cores. The graph is rewritten from heads.onnx (no weight is read) and shares its data files, so a
 quantized heads graph gives a quantized greedy one; TensorRT builds keep the portable heads graph.

@@ -5,6 +5,12 @@ GroupQueryAttention (RoPE inside, the new K/V written straight into the caller's
 memory of `past.{l}.*`), the output projection, SkipSimplifiedLayerNormalization, gate/up, SiLU, down. The portable
 verifier's layer is ~90 nodes of reshapes, slices and elementwise RoPE; this one is ~12.
 
+    tokens -> Gather(embed) --+--> [layer 0] --> ... --> [layer L-1] --> final norm --> LM head, acceptance
+                              |                                                          (copied unchanged)
+    one layer:  x, residual --> SkipSimplifiedLayerNorm --> q | k | v projections (MatMul / MatMulNBits)
+                                    --> GroupQueryAttention (RoPE inside; past.{l}.* -> present.{l}.*, in place)
+                                    --> o projection --> SkipSimplifiedLayerNorm --> gate | up --> SiLU * up --> down
+
 The graph is built from the portable verifier's skeleton (no weight is read): every projection is copied as it
 stands there (a MatMul by an fp32 weight, or MatMulNBits with the Q4_1 minimum term), found by the module name its
 weight or node carries, so the fused graph uses the same weights, at the same offsets of the same data files. The
