@@ -8,8 +8,8 @@ writes `present.{l}.*`; lane r > 0 reads `lane{r}.past.{l}.*` and writes `lane{r
 that run it only when the step has more than r requests (a lane past the batch is fed a dummy cache).
 
     q, k, v [B rows] --> Slice row 0 --> GroupQueryAttention(past.{l}.*)          --> Concat --> o projection
-                     \-> If B > 1:    Slice row 1 --> GQA(lane1.past.{l}.*)        --/   (all B rows)
-                                      \-> If B > 2: Slice row 2 --> GQA(lane2...)  --/
+                     +-> If B > 1:    Slice row 1 --> GQA(lane1.past.{l}.*)        --/   (all B rows)
+                                      +-> If B > 2: Slice row 2 --> GQA(lane2...)  --/
                                                     ...  (nested, up to `lanes` requests)
 
 Each lane is exactly a batch-1 step of the fused graph: the same kernel call on the same rows, padded to two
