@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import DSparkError
@@ -54,39 +52,3 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-# dequantized GGUF targets, demo bundles, built CUDA kernels, the links that let TensorRT for RTX load its wheel's
-# libraries (dspark.trt.rtx_libs; made again on the next import)
-CACHE_KINDS = ("targets", "bundles", "kernels", "tensorrt_rtx_libs")
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    kind: str
-    path: Path
-    bytes: int
-
-
-def folder_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def cache_entries(kinds: tuple[str, ...] = CACHE_KINDS) -> list[CacheEntry]:
-    """What `dspark cache list` shows: every entry under the cache's folders of these kinds."""
-    root = cache_dir()
-    return [CacheEntry(kind, entry, folder_bytes(entry)) for kind in kinds if (root / kind).is_dir()
-            for entry in sorted((root / kind).iterdir())]
-
-
-def clear_cache(kinds: tuple[str, ...] = CACHE_KINDS) -> list[CacheEntry]:
-    """Remove every entry of these kinds; returns what was removed."""
-    removed = cache_entries(kinds)
-    for entry in removed:
-        if entry.path.is_dir() and not entry.path.is_symlink():
-            shutil.rmtree(entry.path)
-        else:
-            entry.path.unlink()
-    return removed

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from dspark.resolve import CACHE_KINDS, cache_dir, cache_entries, clear_cache
+from dspark.cache_entries import CACHE_KINDS, cache_entries, clear_cache
+from dspark.resolve import cache_dir
 
 
 @click.group("cache")
@@ -12,6 +13,7 @@ def cache_group():
     the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels, TensorRT for RTX's library links."""
 
 
+NOT_OURS = "  (not made by dspark: clear keeps it)"
 CACHE_KIND_OPTION = click.option("--kind", "kinds", multiple=True, type=click.Choice(CACHE_KINDS),
                                  help="Only entries of this kind (repeatable; default: all).")
 
@@ -22,7 +24,7 @@ def cache_list_cmd(kinds):
     """Every cache entry with its size on disk."""
     entries = cache_entries(tuple(kinds) or CACHE_KINDS)
     for e in entries:
-        click.echo(f"{e.bytes / 1e6:10.1f} MB  {e.kind:<8} {e.path}")
+        click.echo(f"{e.bytes / 1e6:10.1f} MB  {e.kind:<8} {e.path}{'' if e.ours else NOT_OURS}")
     click.echo(f"{sum(e.bytes for e in entries) / 1e6:10.1f} MB  in {len(entries)} entries under {cache_dir()}")
 
 
@@ -30,12 +32,17 @@ def cache_list_cmd(kinds):
 @CACHE_KIND_OPTION
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def cache_clear_cmd(kinds, yes):
-    """Remove cache entries (they are made again when needed: a target in about a minute, the demo bundle in a
-    few minutes)."""
+    """Remove the cache entries dspark made (made again when needed: a target in about a minute, the demo bundle
+    in a few minutes); anything else found there is kept."""
     kinds = tuple(kinds) or CACHE_KINDS
-    total = sum(e.bytes for e in cache_entries(kinds))
+    entries = cache_entries(kinds)
+    total = sum(e.bytes for e in entries if e.ours)
     if not yes:
         click.confirm(f"remove {', '.join(kinds)} from the cache ({total / 1e6:.1f} MB)?", abort=True)
     removed = clear_cache(kinds)
     click.echo(f"removed {len(removed)} entries, {sum(e.bytes for e in removed) / 1e6:.1f} MB")
+    kept = [e for e in entries if not e.ours]
+    if kept:
+        click.echo(f"kept {len(kept)} entries dspark did not make, e.g. {kept[0].path} (remove them yourself "
+                   f"if you want them gone)")
 

@@ -117,22 +117,6 @@ def test_ensure_sps_table_only_when_the_policy_reads_it(bundle_copy):
     assert len(Manifest.read(bundle_copy).calibration["sps_table"]) == 2 * (block + 1)
 
 
-def test_cache_list_and_clear(empty_cache):
-    (empty_cache / "targets" / "model-0123").mkdir(parents=True)
-    (empty_cache / "targets" / "model-0123" / "model.safetensors").write_bytes(b"x" * 3_000_000)
-    (empty_cache / "bundles" / "demo").mkdir(parents=True)
-    (empty_cache / "bundles" / "demo" / "verifier.onnx").write_bytes(b"y" * 1_000_000)
-    (empty_cache / "tensorrt_rtx_libs" / "0123abcd").mkdir(parents=True)  # TensorRT for RTX's library links
-    listed = CliRunner().invoke(main_cli, ["cache", "list"])
-    assert listed.exit_code == 0 and "3.0 MB  targets" in listed.output and "4.0 MB  in 3 entries" in listed.output
-    assert "tensorrt_rtx_libs" in listed.output
-    cleared = CliRunner().invoke(main_cli, ["cache", "clear", "--kind", "bundles", "--yes"])
-    assert cleared.exit_code == 0 and "removed 1 entries, 1.0 MB" in cleared.output
-    assert (empty_cache / "targets" / "model-0123").exists() and not (empty_cache / "bundles" / "demo").exists()
-    refused = CliRunner().invoke(main_cli, ["cache", "clear"], input="n\n")
-    assert refused.exit_code == 1 and (empty_cache / "targets" / "model-0123").exists()
-
-
 def test_gguf_cache_is_keyed_by_content_and_config_has_no_null_quantization(tmp_path, empty_cache):
     from dspark.models.target import _gguf_cache_folder, _write_hf_config
 
