@@ -163,8 +163,11 @@ def replace_folder(new: Temporary, dest: Path) -> None:
 @contextmanager
 def atomic_folder(folder: Path) -> Iterator[Path]:
     """A temporary folder beside `folder` to write into: when the block ends it replaces `folder` (and whatever
-    was there), when the block raises it is removed and `folder` stays as it was."""
+    was there), when the block raises it is removed and `folder` stays as it was. A link to a folder is followed:
+    the folder it names is replaced and the link stays."""
     folder = Path(folder)
+    if folder.is_symlink() and folder.is_dir():
+        folder = folder.resolve()
     tmp = Temporary(folder)
     try:
         yield tmp.path

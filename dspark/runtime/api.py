@@ -72,7 +72,7 @@ class Runtime:
             raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
         self.folder = Path(bundle)
         self.manifest = Manifest.read(self.folder)
-        self.tokenizer = ChatTokenizer(self.folder)
+        self.tokenizer = ChatTokenizer(self.folder, confined=True)
         self.gates = GateMemory()  # what the draft gate learned (costs, survival, back-off) outlives one decode
         if isinstance(backend, Backend):
             self.backend = backend

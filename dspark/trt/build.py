@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from dspark.bundle import GRAPHS, Manifest, sha256_file
 from dspark.errors import DSparkError
+from dspark.files import atomic_folder
 from dspark.export.trace.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.ops.kernels import archs_for, build_kernel
@@ -107,30 +108,32 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     api = TrtApi.parse(trt.__version__, flavor.name)
     targets = _targets(api, options)
     profiles = graph_profiles(manifest, options.max_batch, options.max_context)
-    engines_dir = bundle / "engines"
-    work = Path(options.work_dir or engines_dir / ".build")
     report = {"flavor": flavor.name, "tensorrt": trt.__version__, "precision": options.precision,
               "max_batch": options.max_batch, "max_context": options.max_context, "targets": targets,
               "version_compatible": options.version_compatible, "runs_on": runs_on(flavor, targets),
               "plugin": register_plugin(trt, library), "plugin_layers": {}, "engines": {}, "profiles": {}}
     if api.flavor == "rtx":
         report["runtime_cache"] = options.runtime_cache or "engines/runtime.cache"
-    builder = EngineBuilder(trt, api, bundle, work, options, targets)
-    engines_dir.mkdir(exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
-            spec = manifest.graphs[name]
-            report["engines"][name], report["plugin_layers"][name] = builder.build(name, spec, profiles[name])
-            report["profiles"][name] = [{"name": profile.name, "shapes": {tensor: [list(shape) for shape in shapes]
-                                         for tensor, shapes in profile.shapes.items()}} for profile in profiles[name]]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if library is not None:
-        shutil.copy2(library, engines_dir / PLUGIN_LIB)
-    if builder.cache_bytes and options.timing_cache:
-        Path(options.timing_cache).write_bytes(builder.cache_bytes)
-    _finish(bundle, manifest, report, options.kernels)
+    with atomic_folder(bundle / "engines") as engines:  # a failed or killed build leaves engines/ as they were
+        work = Path(options.work_dir or engines / ".build")
+        builder = EngineBuilder(trt, api, bundle, work, options, targets, engines=engines)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
+                spec = manifest.graphs[name]
+                report["engines"][name], report["plugin_layers"][name] = builder.build(name, spec, profiles[name])
+                report["profiles"][name] = [{"name": profile.name, "shapes": {
+                    tensor: [list(shape) for shape in shapes] for tensor, shapes in profile.shapes.items()}}
+                    for profile in profiles[name]]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if library is not None:
+            shutil.copy2(library, engines / PLUGIN_LIB)
+        if builder.cache_bytes and options.timing_cache:
+            Path(options.timing_cache).write_bytes(builder.cache_bytes)
+        _finish(engines, report, options.kernels)
+    manifest.tensorrt = report  # the new engines are in place: the manifest names them
+    manifest.write(bundle)
     return report
 
 
@@ -153,8 +156,10 @@ def _targets(api: TrtApi, options: BuildOptions) -> list[str]:
 class EngineBuilder:
     """One builder with the plugin registered; builds, checks and writes the engine of one graph at a time."""
 
-    def __init__(self, trt, api: TrtApi, bundle: Path, work: Path, options: BuildOptions, targets: list[str]):
+    def __init__(self, trt, api: TrtApi, bundle: Path, work: Path, options: BuildOptions, targets: list[str],
+                 engines: Path | None = None):
         self.trt, self.api, self.bundle, self.work = trt, api, bundle, work
+        self.engines = engines or bundle / "engines"  # where the plans go (a staging folder's, in build_engines)
         self.options, self.targets = options, targets
         self.logger = trt.Logger(trt.Logger.WARNING)
         if api.flavor == "tensorrt":
@@ -186,7 +191,7 @@ class EngineBuilder:
         _refuse(checks.plan_problems(spec, plan))
         if self.api.timing_cache:
             self.cache_bytes = bytes(config.get_timing_cache().serialize())
-        path = self.bundle / "engines" / f"{name}.plan"
+        path = self.engines / f"{name}.plan"
         path.write_bytes(plan)
         if self.keep_networks:
             self.parsed[name], self._parsers[name] = network, parser
@@ -242,17 +247,15 @@ def _refuse(problems: list[str]) -> None:
         raise DSparkError(f"{problems[0]}{more}")
 
 
-def _finish(bundle: Path, manifest: Manifest, report: dict, kernels: bool) -> None:
-    """Record the device, build the runtime kernels for it, write the manifest's section."""
+def _finish(engines: Path, report: dict, kernels: bool) -> None:
+    """Record the device and build the runtime kernels for it."""
     report["device"] = _device_info()
     if kernels:  # the GPU runtime's kernels (cache appends); without nvcc the runtime builds them on first use
         archs = tuple(t.removeprefix("SM") for t in report["targets"]) or archs_for(report["device"])
         try:
-            build_kernel(bundle / "engines", archs=archs)
+            build_kernel(engines, archs=archs)
         except DSparkError as e:
             print(f"note: runtime kernels not built ({e}); dspark will build them on first use", file=sys.stderr)
-    manifest.tensorrt = report
-    manifest.write(bundle)
 
 
 def _device_info() -> dict:

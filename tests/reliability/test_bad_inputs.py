@@ -221,6 +221,29 @@ def _(b, t):
     return run(b)
 
 
+def _linked_out(b, t, name, content=None):
+    """b/name replaced by a link to a file outside the bundle (a copy of it, or `content`)."""
+    outside = t / f"outside-{name.replace('/', '-')}"
+    if content is None:
+        shutil.copyfile(b / name, outside)
+    else:
+        outside.write_text(content)
+    (b / name).unlink(missing_ok=True)
+    (b / name).symlink_to(outside)
+
+
+@case("chat template a link to a file outside the bundle")
+def _(b, t):
+    _linked_out(b, t, "chat_template.jinja", "{{ 'a system file becomes the prompt' }}")
+    return run(b)
+
+
+@case("tokenizer.json a link out of the bundle")
+def _(b, t):
+    _linked_out(b, t, "tokenizer.json")
+    return run(b)
+
+
 @case("chat template not UTF-8")
 def _(b, t):
     (b / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
@@ -410,6 +433,19 @@ def _(b, t):
     raw = json.loads((b / "check" / "expected.json").read_text())
     raw["prompt_ids"] = "w1 w2"
     (b / "check" / "expected.json").write_text(json.dumps(raw))
+    return Cli(export_cli, ["check", b])
+
+
+@case("check with check/ data linked out of the bundle")
+def _(b, t):
+    _linked_out(b, t, "check/draft_0_inputs.npz")
+    return Cli(export_cli, ["check", b])
+
+
+@case("check with check/ itself a link out of the bundle")
+def _(b, t):
+    shutil.move(b / "check", t / "elsewhere-check")
+    (b / "check").symlink_to(t / "elsewhere-check", target_is_directory=True)
     return Cli(export_cli, ["check", b])
 
 

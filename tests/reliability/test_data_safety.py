@@ -76,6 +76,27 @@ def test_quantize_replaces_graph_data_and_manifest_as_a_set(bundle, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
 
+def test_a_bundle_given_through_a_link_is_changed_where_it_lies(bundle, tmp_path):
+    """quantize/fuse on a link to a bundle: the bundle it names gets the change and the link stays a link, with no
+    hidden temporary left beside either."""
+    from click.testing import CliRunner
+
+    from dspark.cli import export_cli
+    from dspark.export.quantize.bundle import quantize_graph
+
+    link = tmp_path / "link"
+    link.symlink_to(bundle, target_is_directory=True)
+    quantize_graph(link, "heads", min_elements=0)
+    assert link.is_symlink() and "heads" in Manifest.read(bundle).quantized
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (bundle / manifest["graphs"].pop("heads_greedy")["file"]).unlink()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(export_cli, ["fuse", str(link)])
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and "heads_greedy" in Manifest.read(bundle).graphs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "link"]
+
+
 def test_calibrate_writes_only_the_draft_config_and_only_after_validating(tiny_bundle_v6, bundle, tmp_path):
     from dspark.calibration.calibrate import calibrate
 

@@ -19,6 +19,7 @@ from dspark.trt.network_checks import DTYPES, network_io, plugin_layers
 from dspark.trt.plugin import register_python_plugin
 from dspark.trt.profiles import graph_profiles
 from dspark.trt.versions import TrtApi, compute_targets, import_tensorrt
+from reliability.conftest import tree_hashes
 
 MAX_BATCH, MAX_CONTEXT = 2, 64
 
@@ -138,11 +139,13 @@ def _add_field(model):
 def test_a_graph_the_builder_cannot_take_is_refused_with_one_line(tiny_bundle_v6, tmp_path, edit, message, capfd):
     bundle = copy_bundle(tiny_bundle_v6, tmp_path)
     edited_heads(bundle, edit)
+    before = tree_hashes(tmp_path)
     with pytest.raises(DSparkError) as refused:
         build_engines(bundle, "fp32", MAX_BATCH, MAX_CONTEXT, flavor="rtx", kernels=False)
     text = str(refused.value)
     assert message in text and "\n" not in text, text
     assert "Unique" in text or edit is _add_field
+    assert tree_hashes(tmp_path) == before  # the verifier and draft engines built first are not left behind
 
 
 def test_cli_refusals_are_one_line(tiny_bundle_v6, tmp_path):
