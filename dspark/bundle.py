@@ -1,7 +1,6 @@
 """The bundle manifest: what the exporter writes and what every runtime checks at load time (torch-free)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -11,6 +10,7 @@ import numpy as np
 
 from dspark.errors import DSparkError
 from dspark.files import read_json, write_text_atomic
+from dspark.integrity import check_file, data_records, sha256_file
 from dspark.schema import Fields, contained, is_int
 
 FORMAT = "dspark-bundle"
@@ -54,6 +54,7 @@ class Manifest:
     quantized: dict[str, Any] = field(default_factory=dict)  # graph -> record of dspark.export.quantize.bundle
     tensorrt: dict[str, Any] = field(default_factory=dict)  # engines, plugin, profiles of dspark-export build
     tools: dict[str, str] = field(default_factory=dict)
+    data_files: dict[str, Any] = field(default_factory=dict)  # name -> {bytes, sha256}: recorded by write()
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -77,8 +78,21 @@ class Manifest:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     def write(self, folder: Path) -> None:
-        """Write folder/manifest.json atomically (a temporary file renamed into place, never written through)."""
+        """Write folder/manifest.json atomically (a temporary file renamed into place, never written through),
+        with the size and sha256 of the data files the graphs read."""
+        self.data_files = data_records(Path(folder), self.data_names())
         write_text_atomic(Path(folder) / MANIFEST, self.to_json())
+
+    def data_names(self) -> list[str]:
+        return [WEIGHTS, *sorted({f"{spec.file}.data" for spec in self.graphs.values()})]
+
+    def check_files(self, folder: Path, full: bool = False) -> None:
+        """Every graph (those loaded only when used included) and every recorded data file is what this manifest
+        says; full: hash everything again instead of trusting the hashes of file versions already checked."""
+        for name, spec in self.graphs.items():
+            check_file(self.path(folder, spec.file), f"{spec.file} ({name} graph)", spec.sha256, full=full)
+        for name, record in self.data_files.items():
+            check_file(self.path(folder, name), name, record["sha256"], record["bytes"], full=full)
 
     @staticmethod
     def path(folder: Path, name: str) -> Path:
@@ -158,10 +172,16 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     for name in GRAPHS:
         _validate_graph(graphs.obj(name), folder)
     for name in OPTIONAL_GRAPHS:
-        if graphs.has(name):
+        if name in graphs.raw:
+            if not isinstance(graphs.raw[name], dict):
+                graphs.fail(name, f"must be a graph record, not {graphs.raw[name]!r:.40}")
             _validate_graph(graphs.obj(name), folder)
     for name in sorted(set(graphs.raw) - set(GRAPHS) - set(OPTIONAL_GRAPHS)):
         graphs.fail(name, f"is not a graph of a bundle ({', '.join(GRAPHS + OPTIONAL_GRAPHS)})")
+    blocks = {t.get("shape", [None, None])[1] for t in graphs.raw["heads"]["outputs"]
+              if t.get("name") in ("draft_tokens", "survival") and len(t.get("shape", [])) == 2}
+    if blocks - {block}:
+        draft.fail("block_size", f"is {block}, but the heads graph drafts {sorted(blocks, key=str)[0]} tokens")
     calibration = top.obj("calibration", default={})
     if calibration.has("sts_temperatures"):
         temps = calibration.number_list("sts_temperatures", positive=True)
@@ -171,6 +191,12 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
         calibration.number_list("sps_table", positive=True)
     for key in ("sources", "quantized", "tools"):
         top.obj(key, default={})
+    files = top.obj("data_files", default={})
+    for name in files.raw:
+        contained(folder, name)
+        record = files.obj(name)
+        record.integer("bytes", 0)
+        record.string("sha256")
     top.string("precision", default="fp32")
     _validate_tensorrt(top.obj("tensorrt", default={}), folder)
 
@@ -228,11 +254,3 @@ def check_reference(folder: Path) -> None:
         except Exception as e:  # zipfile/ValueError/OSError: numpy raises many types for a damaged file
             raise DSparkError(f"{npz} is not readable reference data ({type(e).__name__}); re-export the "
                               f"bundle") from None
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

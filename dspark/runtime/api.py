@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +71,12 @@ class Runtime:
         for bundles larger than memory) or "auto" (the default: packed when it fits)."""
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
+        if not isinstance(bundle, (str, os.PathLike)):
+            raise DSparkError(f"bundle must be a folder path, not {type(bundle).__name__}")
         self.folder = Path(bundle)
+        self.threads = threads
         self.manifest = Manifest.read(self.folder)
+        self.manifest.check_files(self.folder)  # a damaged graph or weights file never decodes
         self.tokenizer = ChatTokenizer(self.folder, confined=True)
         self.gates = GateMemory()  # what the draft gate learned (costs, survival, back-off) outlives one decode
         if isinstance(backend, Backend):

@@ -102,6 +102,11 @@ class OrtGraph:
         if got_in != want_in or got_out != want_out:
             raise DSparkError(f"{path.name} does not match the manifest: inputs {got_in} outputs {got_out}, "
                               f"manifest says {want_in} -> {want_out}")
+        for got, want in zip([*self.session.get_inputs(), *self.session.get_outputs()], [*spec.inputs, *spec.outputs]):
+            if len(got.shape) != len(want.shape) or any(isinstance(g, int) and isinstance(w, int) and g != w
+                                                        for g, w in zip(got.shape, want.shape)):
+                raise DSparkError(f"{path.name} does not match the manifest: {got.name} is {list(got.shape)} in "
+                                  f"the graph, {want.shape} in the manifest")
         self.name = name
         self.outputs = want_out
         self.inputs = want_in

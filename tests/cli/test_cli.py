@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from dspark.cli import export_cli, main_cli
+from support.tiny import restamp
 
 
 def run(cli, *args):
@@ -53,6 +54,8 @@ def test_missing_bundle(tmp_path):
 
 def test_corrupt_graph(bundle):
     (bundle / "verifier.onnx").write_bytes(b"\x08garbage")
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "does not hold what the manifest records")
+    restamp(bundle)  # a manifest that records the garbage: ONNX Runtime refuses it
     one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "cannot load verifier.onnx")
 
 
@@ -75,6 +78,8 @@ def test_manifest_not_json(bundle):
 
 def test_graph_not_matching_manifest(bundle):
     shutil.copy2(bundle / "heads.onnx", bundle / "draft.onnx")
+    one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "does not hold what the manifest records")
+    restamp(bundle)
     one_line_error(*run(main_cli, "run", bundle, "--prompt", "w1"), "does not match the manifest")
 
 

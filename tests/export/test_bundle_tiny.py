@@ -17,7 +17,7 @@ from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
 from support.faults import wrong_verify
-from support.tiny import TinyLoaded
+from support.tiny import TinyLoaded, restamp
 
 V = 6
 
@@ -83,6 +83,7 @@ def test_bundle_with_wrong_acceptance_rule_is_detected(tiny, tmp_path, monkeypat
     monkeypatch.setattr(graphs, "verify", wrong_verify)
     pair = Pair(TinyLoaded(hf, path), target, drafter, "random")
     export_graph(verifier_example(pair), bad / "verifier.onnx")
+    restamp(bad)
     expected = exact_joint(hf, PROMPT, 3, V)
     stop = set(Runtime(bad).manifest.stop_token_ids)
     keep = {k: p for k, p in expected.items() if not stop.intersection(k[:2])}
@@ -106,6 +107,7 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
         if "confidence_head.proj.weight" in init.name:
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 0.5, init.name))
     onnx.save(heads, str(swapped / "heads.onnx"))
+    restamp(swapped)
     bad = check_bundle(swapped)
     assert not bad.passed
     failed = {(r.graph, r.output) for r in bad.rows if not r.passed}

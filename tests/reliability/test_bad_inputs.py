@@ -161,6 +161,50 @@ def _(b, t):
     return run(b)
 
 
+@case("weights.data with one byte changed")
+def _(b, t):
+    data = bytearray((b / "weights.data").read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (b / "weights.data").write_bytes(bytes(data))
+    return run(b)
+
+
+@case("weights.data cut short")
+def _(b, t):
+    data = (b / "weights.data").read_bytes()
+    (b / "weights.data").write_bytes(data[:-64])
+    return run(b)
+
+
+@case("a graph loaded only when used is empty")
+def _(b, t):
+    (b / "heads.onnx").write_bytes(b"")  # greedy decoding runs heads_greedy; heads.onnx would load on sampling
+    return run(b)
+
+
+@case("a graph replaced by another graph of the bundle")
+def _(b, t):
+    shutil.copyfile(b / "draft.onnx", b / "heads.onnx")
+    return run(b)
+
+
+@case("manifest block_size disagrees with the graphs")
+def _(b, t):
+    edit_manifest(b, setter("draft", "block_size", 4))
+    return run(b)
+
+
+@case("manifest tensor shape disagrees with the graph file")
+def _(b, t):
+    def change(raw):
+        for spec in raw["graphs"].values():
+            for tensor in spec["inputs"]:
+                if tensor["name"] == "conf_temperatures":
+                    tensor["shape"] = [9]
+    edit_manifest(b, change)
+    return run(b)
+
+
 @case("graph file garbage")
 def _(b, t):
     (b / "verifier.onnx").write_bytes(b"\x08garbage")
@@ -574,6 +618,8 @@ API_CASES = {
     "api threads -3": lambda rt, b: type(rt)(b, threads=-3),
     "api threads 0": lambda rt, b: type(rt)(b, threads=0),
     "api threads 1.5": lambda rt, b: type(rt)(b, threads=1.5),
+    "api bundle None": lambda rt, b: type(rt)(None),
+    "api bundle a number": lambda rt, b: type(rt)(3),
 }
 for _name, _fn in API_CASES.items():
     case(_name)(api(_fn))

@@ -14,7 +14,7 @@ import onnx_ir as ir
 import torch
 
 from dspark import __version__
-from dspark.bundle import MANIFEST, GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
+from dspark.bundle import GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.check.parity import record_check_data
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
@@ -293,7 +293,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
             manifest = build_manifest(pair, specs, max_context, stop_ids, precision, sources.result())
             manifest.tools["exported"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             add_twins(tmp, manifest)  # ONNX Runtime's own: fused verifier, greedy heads
-            (tmp / MANIFEST).write_text(manifest.to_json())
+            manifest.write(tmp)  # with the size and sha256 of weights.data and the graphs' own data
         if check_data:
             with progress.step("recording reference data for `dspark-export check`"):
                 record_check_data(pair, tmp)

@@ -1,0 +1,78 @@
+"""What a bundle's files should hold, checked before they are used.
+
+Graph files carry their sha256 in the manifest; the data files (weights.data and each graph's .data) get a record
+of their size and sha256 whenever a manifest is written. Reading a bundle checks every graph, lazily loaded ones
+included, and every recorded data file: its size each time, its sha256 once per file version (a cache in the
+user's dspark cache, keyed by device, inode, size and mtime, so a rename or a second load costs nothing);
+`dspark doctor` hashes everything again whatever the cache says.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from dspark.errors import DSparkError
+from dspark.files import write_text_atomic
+from dspark.resolve import cache_dir
+
+_SEEN_FILE = "verified-files.json"
+_SEEN_LIMIT = 512  # file versions remembered
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _version(path: Path) -> str:
+    st = Path(path).stat()
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _seen() -> dict[str, str]:
+    try:
+        raw = json.loads((cache_dir() / _SEEN_FILE).read_text())
+        return raw if isinstance(raw, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def file_sha256(path: Path, full: bool = False) -> str:
+    """The sha256 of `path`, from the cache of hashed file versions unless `full` (then hashed and remembered)."""
+    version = _version(path)
+    seen = _seen()
+    if not full and isinstance(seen.get(version), str):
+        return seen[version]
+    digest = sha256_file(path)
+    seen[version] = digest
+    try:
+        write_text_atomic(cache_dir() / _SEEN_FILE, json.dumps(dict(list(seen.items())[-_SEEN_LIMIT:])))
+    except (OSError, DSparkError):
+        pass  # a read-only cache: the next load hashes again
+    return digest
+
+
+def data_records(folder: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of the data files among `names` that exist in folder."""
+    records = {}
+    for name in names:
+        path = Path(folder) / name
+        if path.is_file():
+            records[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return records
+
+
+def check_file(path: Path, label: str, want_sha256: str, want_bytes: int | None = None, full: bool = False) -> None:
+    """DSparkError in one line if `path` is missing, of another size, or holds other bytes than recorded."""
+    if not path.is_file():
+        raise DSparkError(f"{label} is missing from the bundle ({path}); re-export it")
+    if want_bytes is not None and path.stat().st_size != want_bytes:
+        raise DSparkError(f"{label} is {path.stat().st_size} bytes, the manifest records {want_bytes}: the bundle "
+                          f"is damaged or half-copied; copy it again or re-export it")
+    if want_sha256 and file_sha256(path, full) != want_sha256:
+        raise DSparkError(f"{label} does not hold what the manifest records (sha256 differs): the bundle is "
+                          f"damaged; copy it again or re-export it")
