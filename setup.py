@@ -36,7 +36,7 @@ setup(
     install_requires=RUNTIME,
     extras_require={"export": EXPORT, "trt": TRT, "rtx": RTX, "dev": DEV, "serve": SERVE, "all": EXPORT + DEV},
     entry_points={
-        "console_scripts": ["dspark-export=dspark.cli:export_cli", "dspark=dspark.cli:main_cli"],
+        "console_scripts": ["dspark-export=dspark.cli:export_main", "dspark=dspark.cli:dspark_main"],
         # backends of dspark.runtime, found by name (dspark.runtime.backend): the runtime never imports dspark.trt
         "dspark.backends": ["onnxruntime = dspark.runtime.ort_backend:OrtBackend",
                             "tensorrt = dspark.trt.backend:TrtBackend"],

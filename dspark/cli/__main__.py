@@ -1,4 +1,4 @@
 """`python -m dspark.cli`: the `dspark` command."""
-from dspark.cli.main import main_cli
+from dspark.cli import dspark_main
 
-main_cli()
+dspark_main()
