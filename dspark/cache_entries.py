@@ -15,8 +15,9 @@ from dspark.files import LOCK_SUFFIX, remove_stale_temporaries
 from dspark.resolve import cache_dir
 
 # dequantized GGUF targets, demo bundles, built CUDA kernels, the links that let TensorRT for RTX load its wheel's
-# libraries (dspark.trt.rtx_libs; made again on the next import)
-CACHE_KINDS = ("targets", "bundles", "kernels", "tensorrt_rtx_libs")
+# libraries (dspark.trt.rtx_libs; made again on the next import), SPS tables profiled for a run (dspark.calibration
+# .sps_cache)
+CACHE_KINDS = ("targets", "bundles", "kernels", "tensorrt_rtx_libs", "sps")
 
 _TARGET_FILES = set(TOKENIZER_FILES) | {"config.json", "model.safetensors"}
 _KERNEL_FILE = re.compile(r"confidence_truncate-[0-9a-f]+-sm_\d+\.(cubin|tmp)")
@@ -72,7 +73,11 @@ def _rtx_links(path: Path) -> bool:
             and all(p.is_symlink() for p in path.iterdir()))
 
 
-OURS = {"targets": _target, "bundles": _bundle, "kernels": _kernel, "tensorrt_rtx_libs": _rtx_links}
+def _sps(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink() and re.fullmatch(r"[0-9a-f]{24}\.json", path.name) is not None
+
+
+OURS = {"targets": _target, "bundles": _bundle, "kernels": _kernel, "tensorrt_rtx_libs": _rtx_links, "sps": _sps}
 
 
 def cache_entries(kinds: tuple[str, ...] = CACHE_KINDS) -> list[CacheEntry]:

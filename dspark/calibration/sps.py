@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.bundle import Manifest
+from dspark.calibration import sps_cache
 from dspark.runtime.measure import needs_sps_table
 from dspark.runtime.scheduler import VerifyPolicy
 
@@ -85,22 +86,29 @@ def ensure_sps_table(rt, policy: VerifyPolicy | str | None = None, max_batch: in
     """Profile the SPS table on first use when `policy` (any policy if None) needs one and the bundle has none
     covering `max_batch` requests: kept in `rt.manifest`, so decoders made afterwards use it, and with `store` also
     written to the bundle's manifest (the demo's own bundle; `dspark run` and `bench` never change a bundle the user
-    did not name as output, so they profile for the run only). A batch-1 profile takes seconds; beyond the batches
+    did not name as output, so their profile is kept in the user cache, dspark.calibration.sps_cache, and reused). A batch-1 profile takes seconds; beyond the batches
     it covers, a table extrapolates linearly, which overrates the cost of larger batches.
     Torch-free: the run, bench and demo commands call it before decoding. Returns True when it profiled."""
     if policy is not None and not needs_sps_table(policy):
         return False
+    needed = min(max_batch, rt.backend.max_batch or max_batch) * (rt.manifest.block_size + 1)
     table = rt.manifest.calibration.get("sps_table") or []
-    if len(table) >= min(max_batch, rt.backend.max_batch or max_batch) * (rt.manifest.block_size + 1):
+    if len(table) >= needed:
         return False
     say = say or (lambda message: None)
+    cached = None if store else sps_cache.load(rt)
+    if cached is not None and len(cached["sps_table"]) >= needed:
+        rt.manifest.calibration.update(cached)
+        say(f"using the SPS table profiled earlier for {rt.folder} on this machine ({sps_cache.entry_path(rt)})")
+        return False
     batches = "batch 1" if max_batch == 1 else f"batch 1..{max_batch}"
     what = "no SPS table" if not table else f"the SPS table covers {len(table)} batch tokens"
-    kept = "stored in its manifest" if store else "for this run (`dspark calibrate --sps` stores one)"
+    kept = "stored in its manifest" if store else "kept in the user cache (`dspark calibrate --sps` stores one)"
     say(f"{what} in {rt.folder}: profiling the verifier's steps/s at {batches}, {kept}")
     result = profile(rt, max_batch=max_batch)
     rt.manifest.calibration.update(result)
     if not store:
+        sps_cache.store(rt, result)
         return True
     try:
         write_sps(rt.folder, result)

@@ -10,7 +10,8 @@ from dspark.resolve import cache_dir
 @click.group("cache")
 def cache_group():
     """What dspark keeps in its cache ($DSPARK_CACHE, default ~/.cache/dspark): dequantized GGUF targets (keyed by
-    the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels, TensorRT for RTX's library links."""
+    the GGUF's sha256, shared by every venv), demo bundles, built CUDA kernels, TensorRT for RTX's library links,
+    SPS tables profiled by `dspark run` and `bench` (per bundle and machine)."""
 
 
 NOT_OURS = "  (not made by dspark: clear keeps it)"

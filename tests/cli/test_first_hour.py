@@ -89,14 +89,19 @@ def test_demo_policy_and_label_say_what_the_bundle_is(tiny_bundle_v6):
 
 
 @pytest.mark.parametrize("extra", [[], ["--policy", "all+gate", "-R", "2"]])
-def test_bench_defaults_work_on_a_bundle_without_an_sps_table(bundle_copy, tmp_path, extra):
+def test_bench_defaults_work_on_a_bundle_without_an_sps_table(bundle_copy, tmp_path, extra, empty_cache):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w1 w2"}\n{"prompt": "w3"}\n')
-    res = CliRunner().invoke(main_cli, ["bench", str(bundle_copy), "--prompts", str(prompts),
-                                        "--max-new-tokens", "5"] + extra)
+    before = (bundle_copy / "manifest.json").read_bytes()
+    args = ["bench", str(bundle_copy), "--prompts", str(prompts), "--max-new-tokens", "5"] + extra
+    res = CliRunner().invoke(main_cli, args)
     assert res.exit_code == 0, res.output
     assert "no SPS table" in res.output and "tok/s aggregate" in res.output
-    assert "sps_table" not in Manifest.read(bundle_copy).calibration  # profiled for the run: the bundle is untouched
+    again = CliRunner().invoke(main_cli, args)  # the profile of this bundle on this machine is kept in the cache
+    assert again.exit_code == 0 and "no SPS table" not in again.output, again.output
+    assert "using the SPS table profiled earlier" in again.output
+    assert (bundle_copy / "manifest.json").read_bytes() == before  # the bundle is never written
+    assert len(list((empty_cache / "sps").iterdir())) == 1
 
 
 def test_ensure_sps_table_only_when_the_policy_reads_it(bundle_copy):
