@@ -19,6 +19,7 @@ from dspark.runtime.gate import DraftGate, GateMemory, new_gate
 from dspark.runtime.observers import RoundObserver, StepTimer
 from dspark.runtime.options import DecodeOptions
 from dspark.runtime.results import Event, RequestResult, StepTimes
+from dspark.runtime.room import max_new_tokens
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
 
@@ -74,10 +75,10 @@ class Decoder:
         limit, new = self.context_limit, self.options.max_tokens
         refused = {}
         for i, p in enumerate(prompts):
-            if len(p) >= limit:
+            if max_new_tokens(limit, len(p)) < 1:
                 refused[i] = (f"prompt of request {i} ({len(p)} tokens) is too long for the bundle's max context "
                               f"{limit}")
-            elif len(p) + new > limit:
+            elif new > max_new_tokens(limit, len(p)):
                 refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
                               f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
                               f"or max_tokens")
