@@ -24,7 +24,7 @@ from dspark.serve.state import ServerState
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes, timeout=state.config.request_timeout)
     _error_handlers(app, state)
 
     @app.get("/health")
