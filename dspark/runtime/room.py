@@ -1,5 +1,5 @@
 """How many tokens a prompt leaves room for in a context: the one rule `dspark run`, bench and calibrate (the
-Decoder) and `dspark serve` (the Engine) apply."""
+Decoder) and `dspark serve` (the Engine) apply, and the line that says which prompts of a batch it left out."""
 from __future__ import annotations
 
 
@@ -10,3 +10,9 @@ def max_new_tokens(context: int, prompt_len: int) -> int:
     token."""
     return context - prompt_len
 
+
+
+def skipped_line(skipped: int, total: int, max_tokens: int, context: int) -> str:
+    """One line for a batch of `total` prompts of which `skipped` did not fit `context` with `max_tokens`."""
+    return (f"skipped {skipped} of {total} prompts: prompt + max_tokens {max_tokens} does not fit the context of "
+            f"{context} positions; {total - skipped} ran")
