@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -19,18 +20,23 @@ from dspark.runtime.observers import ConfidenceLog
 
 
 def collect_rounds(bundle: Path, prompts: list[str], max_tokens: int = 256, temperature: float = 0.0,
-                   batch_size: int = 8, seed: int = 0) -> Rounds:
+                   batch_size: int = 8, seed: int = 0,
+                   say: Callable[[str], None] = lambda line: None) -> tuple[Rounds, int]:
+    """The rounds, and how many prompts they came from (`say` gets one line on prompts too long to run)."""
     rt = Runtime(bundle)
     if not rt.manifest.draft.get("confidence_head"):
         raise DSparkError(f"{bundle} has no confidence head to calibrate")
     log = ConfidenceLog()
-    for _ in rt.decoder(prompts, DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                               batch_size=batch_size), observers=[log]):
+    decoder = rt.decoder(prompts, DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                                batch_size=batch_size), observers=[log])
+    if decoder.skipped():
+        say(decoder.skipped())
+    for _ in decoder:
         pass
     if not log.rounds:
         raise DSparkError("decoding produced no verification rounds to calibrate on")
     z, proposed, accepted = zip(*log.rounds)
-    return Rounds(np.stack(z), np.asarray(proposed), np.asarray(accepted))
+    return Rounds(np.stack(z), np.asarray(proposed), np.asarray(accepted)), len(prompts) - len(decoder.refused)
 
 
 def write_manifest_calibration(bundle: Path, temps: np.ndarray, meta: dict) -> None:
@@ -96,19 +102,22 @@ def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path
 
 
 def calibrate(bundle: Path, prompts: list[str], out_dir: Path, draft_dir: Path | None = None,
-              max_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8) -> dict:
+              max_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8,
+              say: Callable[[str], None] = lambda line: None) -> dict:
     """Every input is checked first; then calibration.json and reliability.png, the manifest and the draft's
-    config.json are each written atomically (a temporary renamed into place), and only after decoding."""
+    config.json are each written atomically (a temporary renamed into place), and only after decoding. The report
+    counts the prompts that ran (`say` gets one line on those skipped as too long for the context)."""
     manifest = Manifest.read(bundle)
     draft_raw = check_draft_folder(draft_dir, manifest) if draft_dir is not None else None
     check_out_dir(out_dir)
-    rounds = collect_rounds(bundle, prompts, max_tokens, temperature, batch_size)
+    rounds, ran = collect_rounds(bundle, prompts, max_tokens, temperature, batch_size, say=say)
     bk = rounds.conf_logits.shape[1]
     before = np.ones(bk)
     temps = fit_sts(rounds)
     if not np.all(np.isfinite(temps)) or np.any(temps <= 0):
         raise DSparkError(f"the fitted STS temperatures {temps.tolist()} are not positive numbers; nothing written")
-    report = {"bundle": str(bundle), "prompts": len(prompts), "rounds": int(len(rounds.proposed)),
+    report = {"bundle": str(bundle), "prompts": ran, "skipped_prompts": len(prompts) - ran,
+              "rounds": int(len(rounds.proposed)),
               "temperature": temperature, "sts_temperatures": temps.tolist(),
               "before": reliability(rounds, before), "after": reliability(rounds, temps)}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +128,8 @@ def calibrate(bundle: Path, prompts: list[str], out_dir: Path, draft_dir: Path |
         os.replace(png.path / "reliability.png", out_dir / "reliability.png")
     finally:
         png.remove()
-    write_manifest_calibration(bundle, temps, {"rounds": report["rounds"], "decode_temperature": temperature,
+    write_manifest_calibration(bundle, temps, {"rounds": report["rounds"], "prompts": ran,
+                                               "decode_temperature": temperature,
                                                "ece_after": [r["ece"] for r in report["after"]]})
     if draft_raw is not None:
         write_draft_temperatures(draft_dir, draft_raw, temps)

@@ -247,7 +247,8 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_tokens, temperatu
         raise DSparkError(f"{prompts} holds no prompts")
     rt = Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs)
     ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True), store=False)
-    res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_tokens, temperature)
+    res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_tokens, temperature,
+                    say=lambda m: click.echo(m, err=True))
     if as_json:
         click.echo(json.dumps(res.as_dict()))
         return
@@ -327,7 +328,7 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
 
     rows = read_prompts(prompts, limit=limit)
     report = calibrate(bundle, [r["prompt"] for r in rows], out_dir or bundle, draft_dir, max_tokens,
-                       temperature)
+                       temperature, say=lambda m: click.echo(m, err=True))
     click.echo(f"{report['rounds']} rounds from {report['prompts']} prompts; STS temperatures "
                + " ".join(f"{t:.2f}" for t in report["sts_temperatures"]))
     click.echo("position  ECE before -> after   AUC    Brier")

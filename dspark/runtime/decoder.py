@@ -19,6 +19,7 @@ from dspark.runtime.gate import DraftGate, GateMemory, new_gate
 from dspark.runtime.observers import RoundObserver, StepTimer
 from dspark.runtime.options import DecodeOptions
 from dspark.runtime.results import Event, RequestResult, StepTimes
+from dspark.runtime.room import max_new_tokens, skipped_line
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
 
@@ -37,7 +38,7 @@ class Decoder:
         if any(len(p) == 0 for p in prompts):
             raise DSparkError("empty prompt: give at least one token")
         self.backend, self.manifest, self.options, self.prompts = backend, manifest, options, prompts
-        refused = self._refuse_overflowing(prompts)
+        self.refused = refused = self._refuse_overflowing(prompts)  # request index: why it does not run
         longest = max(len(p) for i, p in enumerate(prompts) if i not in refused)
         capacity = backend.fixed_capacity or capacity or min(
             longest + options.max_tokens + manifest.block_size + 1, self.context_limit)
@@ -74,16 +75,23 @@ class Decoder:
         limit, new = self.context_limit, self.options.max_tokens
         refused = {}
         for i, p in enumerate(prompts):
-            if len(p) >= limit:
+            if max_new_tokens(limit, len(p)) < 1:
                 refused[i] = (f"prompt of request {i} ({len(p)} tokens) is too long for the bundle's max context "
                               f"{limit}")
-            elif len(p) + new > limit:
+            elif new > max_new_tokens(limit, len(p)):
                 refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
                               f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
                               f"or max_tokens")
         if len(refused) == len(prompts):
-            raise DSparkError(refused[0])
+            raise DSparkError(refused[0] if len(prompts) == 1 else f"none of the {len(prompts)} prompts fits the "
+                              f"context with max_tokens {new}: {refused[0]}")
         return refused
+
+    def skipped(self) -> str | None:
+        """One line on the prompts refused for the context (None when every prompt runs)."""
+        if not self.refused:
+            return None
+        return skipped_line(len(self.refused), len(self.prompts), self.options.max_tokens, self.context_limit)
 
     def __iter__(self) -> Iterator[Event]:
         start = time.perf_counter()

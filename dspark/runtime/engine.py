@@ -30,6 +30,7 @@ from dspark.runtime.engine_choice import choose
 from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
 from dspark.runtime.gate import new_gate
 from dspark.runtime.observers import RoundObserver, RoundRecord
+from dspark.runtime.room import max_new_tokens
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
@@ -95,8 +96,8 @@ class Engine:
         return self
 
     def max_tokens_for(self, prompt_len: int) -> int:
-        """The most tokens a request with this prompt may ask for."""
-        return self.capacity - prompt_len - self.runtime.manifest.block_size - 1
+        """The most tokens a request with this prompt may ask for (the rule `dspark run` applies)."""
+        return max_new_tokens(self.capacity, prompt_len)
 
     def check(self, prompt_ids: list[int], options: RequestOptions) -> bool:
         """Refuse what can never run (one line); returns whether the request decodes autoregressively."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -15,7 +16,8 @@ from dspark.runtime.scheduler import VerifyPolicy
 class BatchRun:
     policy: str
     concurrency: int
-    requests: int
+    requests: int  # that ran
+    skipped: int  # prompts too long for the context with max_tokens: they did not run
     tokens: int
     seconds: float
     tokens_per_s: float  # aggregate
@@ -33,20 +35,24 @@ class BatchRun:
 
 
 def run_batch(rt, prompts: list, concurrency: int, policy: VerifyPolicy | str, max_tokens: int = 64,
-              temperature: float = 0.0, seed: int = 0) -> BatchRun:
+              temperature: float = 0.0, seed: int = 0, say: Callable[[str], None] = lambda line: None) -> BatchRun:
+    """`say` gets one line when prompts too long for the context are skipped (the counts are of those that ran)."""
     options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy,
                             batch_size=concurrency)
     dec = rt.decoder(prompts, options)
+    if dec.skipped():
+        say(dec.skipped())
+    ran = [r for i, r in enumerate(dec.results) if i not in dec.refused]
     t0 = time.perf_counter()
     for _ in dec:
         pass
     seconds = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for r in dec.results)
-    proposed = [p for r in dec.results for p in r.proposed]
-    committed = [c for r in dec.results for c in r.committed]
-    return BatchRun(policy=str(options.policy), concurrency=concurrency, requests=len(prompts), tokens=tokens,
-                    seconds=seconds, tokens_per_s=tokens / seconds,
-                    per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in dec.results])),
+    tokens = sum(len(r.token_ids) for r in ran)
+    proposed = [p for r in ran for p in r.proposed]
+    committed = [c for r in ran for c in r.committed]
+    return BatchRun(policy=str(options.policy), concurrency=concurrency, requests=len(ran),
+                    skipped=len(dec.refused), tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                    per_request_tokens_per_s=float(np.median([r.tokens_per_s for r in ran])),
                     tau=float(np.mean(committed)) if committed else 1.0,
                     mean_verify_budget=float(np.mean(proposed)) if proposed else 0.0, rounds=dec.times.rounds,
                     drafted_rounds=dec.times.drafted,

@@ -20,13 +20,11 @@ from dspark.serve.responses import DONE, ApiError, Shape, sse
 from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
 from dspark.serve.state import ServerState
 
-DISCONNECT_POLL_S = 0.25
-
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes, timeout=state.config.request_timeout)
     _error_handlers(app, state)
 
     @app.get("/health")
@@ -134,7 +132,7 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
                     max_tokens: int | None, chat: bool):
     options = _options(state, body, prompt_ids, max_tokens)
     loop = asyncio.get_running_loop()
-    deltas: asyncio.Queue[Delta] = asyncio.Queue()
+    deltas: asyncio.Queue[Delta | None] = asyncio.Queue()  # None: the client of a whole response went away
     try:
         request = state.engine.submit(prompt_ids, options,
                                       sink=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta))
@@ -151,15 +149,13 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
 
 
 async def _whole(http: HttpRequest, request: Request, deltas: asyncio.Queue, shape: Shape):
+    watcher = asyncio.create_task(_cancel_when_gone(http, request, deltas))
     try:
         while not request.done:
-            try:
-                await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    request.cancel()
-                    return Response(status_code=499)
+            if await deltas.get() is None:  # the client went away: nobody reads this response
+                return Response(status_code=499)
     finally:
+        watcher.cancel()
         request.cancel()  # a no-op once finished; frees the slot when the handler is torn down
     if request.finish_reason == "cancelled":
         raise ApiError(503, "the request was cancelled: the server is shutting down", "server_error",
@@ -167,6 +163,15 @@ async def _whole(http: HttpRequest, request: Request, deltas: asyncio.Queue, sha
     if request.finish_reason == "error":
         raise ApiError(500, f"decoding failed: {request.error}", "server_error")
     return shape.full(request)
+
+
+async def _cancel_when_gone(http: HttpRequest, request: Request, deltas: asyncio.Queue) -> None:
+    """Watch the connection while the engine works (a poll between deltas never comes while tokens flow): once the
+    body is read, receive() answers only when the client disconnects."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    request.cancel()
+    deltas.put_nowait(None)
 
 
 async def _events(request: Request, deltas: asyncio.Queue, shape: Shape, include_usage: bool) -> AsyncIterator[str]:

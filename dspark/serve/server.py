@@ -6,11 +6,13 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import asynccontextmanager
+from functools import partial
 
 import uvicorn
 
 from dspark.errors import DSparkError, first_line
 from dspark.serve.app import create_app
+from dspark.serve.deadlines import HeaderDeadline
 from dspark.serve.state import ServeConfig, ServerState
 
 
@@ -58,7 +60,9 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
     app = create_app(state)
     app.router.lifespan_context = lifespan
     # uvicorn answers 503 beyond max_connections open connections; within them the engine's queue answers 429
+    # h11 with a deadline on each request's headers (uvicorn has none); h11 itself bounds them to 16 KiB (400)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                               http=partial(HeaderDeadline, header_timeout=config.request_timeout),
                                limit_concurrency=config.max_connections,
                                timeout_graceful_shutdown=int(config.grace) + 5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, state)

@@ -25,6 +25,7 @@ class ServeConfig:
     weights: str | None = "auto"  # ONNX Runtime: packed, mapped or auto (dspark.runtime.ort_backend); None otherwise
     grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_body_bytes: int = 1 << 20
+    request_timeout: float = 30.0  # seconds a client has for a request's headers, and again for its body (408)
     max_connections: int = 1024  # open connections at most (uvicorn answers 503 beyond)
 
 

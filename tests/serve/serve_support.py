@@ -55,9 +55,22 @@ class Server:
             return self.process.wait()
 
 
-def start_server(bundle, log: Path, *args: str) -> Server:
+# a fault for tests that need requests which take a while: every graph call of the server sleeps first
+SLOW_GRAPHS = """
+import time
+from dspark.runtime.ort_backend import OrtGraph
+_run = OrtGraph.run
+def _slow(self, *args, **kwargs):
+    time.sleep(0.05)
+    return _run(self, *args, **kwargs)
+OrtGraph.run = _slow
+"""
+
+
+def start_server(bundle, log: Path, *args: str, prelude: str = "") -> Server:
+    """`prelude`: Python run in the server's process before the command (e.g. SLOW_GRAPHS)."""
     port = free_port()
-    cmd = [sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve", str(bundle),
+    cmd = [sys.executable, "-c", prelude + "\nfrom dspark.cli import main_cli; main_cli()", "serve", str(bundle),
            "--port", str(port), "--threads", "1", "--log-level", "warning", *args]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -1,6 +1,7 @@
 """Bad input and faults against `dspark serve`: OpenAI-style 4xx bodies, bounded concurrency, disconnects."""
 import asyncio
 import json
+from typing import Iterator
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ GOOD = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, "temperature": 0}
 
 
 def post(server, body, path="/v1/completions", **kw):
-    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    content = body if isinstance(body, (bytes, str, Iterator)) else json.dumps(body)
     return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
                       timeout=60, **kw)
 
@@ -71,9 +72,17 @@ def test_unknown_model_is_404_and_too_long_is_400(server):
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
 
 
-def test_oversized_body_is_413(server):
-    huge = json.dumps({**GOOD, "prompt": "w1 " * 600_000})
-    error_of(post(server, huge), 413)
+def chunked(data: bytes, size: int = 65536):
+    """The body as an iterator: httpx sends it with Transfer-Encoding: chunked, no Content-Length."""
+    return (data[i:i + size] for i in range(0, len(data), size))
+
+
+@pytest.mark.parametrize("encoding", ["content-length", "chunked"])
+def test_oversized_body_is_413_whatever_its_encoding(server, encoding):
+    huge = json.dumps({**GOOD, "prompt": "w1 " * 600_000}).encode()
+    error = error_of(post(server, huge if encoding == "content-length" else chunked(huge)), 413)
+    assert "larger than 1048576 bytes" in error["message"] and error["type"] == "invalid_request_error"
+    assert post(server, chunked(json.dumps(GOOD).encode(), 7)).status_code == 200  # a chunked body within it
 
 
 def test_a_thousand_concurrent_connections_are_bounded(server):
