@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from dspark.chat_template import BoundedTemplates, render_bounded
 from dspark.errors import DSparkError
 from dspark.files import read_json, read_text
 from dspark.schema import contained, is_int
@@ -74,12 +74,12 @@ class ChatTokenizer:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         try:
             if self._template is None:
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env = BoundedTemplates(trim_blocks=True, lstrip_blocks=True)
                 env.globals["raise_exception"] = _raise_exception
                 self._template = env.from_string(self.chat_template)
-            text = self._template.render(messages=messages, add_generation_prompt=True, enable_thinking=False,
-                                         bos_token=_text_or_empty(self.bos_token),
-                                         eos_token=_text_or_empty(self.eos_token))
+            text = render_bounded(self._template, messages=messages, add_generation_prompt=True,
+                                  enable_thinking=False, bos_token=_text_or_empty(self.bos_token),
+                                  eos_token=_text_or_empty(self.eos_token))
         except DSparkError:
             raise
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:

@@ -259,6 +259,26 @@ def _(b, t):
     return run(b)
 
 
+@case("chat template nested loops")
+def _(b, t):
+    (b / "chat_template.jinja").write_text("{% for a in range(9999) %}{% for b in range(9999) %}{% endfor %}"
+                                           "{% endfor %}")
+    return run(b)
+
+
+@case("chat template writing without end")
+def _(b, t):
+    (b / "chat_template.jinja").write_text("{% for i in range(99999) %}{% for c in 'x' * 99999 %}{{ c }}"
+                                           "{% endfor %}{% endfor %}")
+    return run(b)
+
+
+@case("chat template a huge power")
+def _(b, t):
+    (b / "chat_template.jinja").write_text("{{ 9 ** 999999999 }}")
+    return run(b)
+
+
 @case("chat template raise_exception")
 def _(b, t):
     (b / "chat_template.jinja").write_text("{{ raise_exception('no user turns here') }}")
