@@ -71,7 +71,8 @@ def test_demo_takes_a_prompt_file_and_a_count(bundle_copy, tmp_path):
                                         "--num-prompts", "2", "--max-new-tokens", "6"])
     assert res.exit_code == 0, res.output
     assert "[a] w1 w2 w1\n" in res.output and "[b] w1 w2 w2\n" in res.output and "[a] w1 w2 w3" not in res.output
-    assert "2 of 2 outputs identical to AR" in res.output
+    assert "2 of 2 outputs identical to AR" in res.output and "(per prompt x" in res.output
+    assert f"the same decode, one prompt: dspark run {bundle_copy} --policy " in res.output
     assert Manifest.read(bundle_copy).calibration["sps_table"]  # profiled once, kept with the bundle
     again = CliRunner().invoke(main_cli, ["demo", "--bundle", str(bundle_copy), "--prompts", str(prompts),
                                           "--num-prompts", "1", "--max-new-tokens", "4"])
