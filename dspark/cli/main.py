@@ -127,7 +127,7 @@ def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabil
 @WEIGHTS_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
-    """Per-graph parity of ONNX Runtime vs the PyTorch reference, and end-to-end greedy token equality."""
+    """Per-graph parity of ONNX Runtime vs PyTorch and greedy token equality (records check/ data if missing)."""
     from dataclasses import asdict
 
     if lint_only:
@@ -142,8 +142,10 @@ def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
                 click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
             click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
         sys.exit(0 if not findings else 1)
+    from dspark.export.check.lazy_record import record_missing
     from dspark.export.check.parity import check_bundle, format_report
 
+    record_missing(bundle, say=lambda m: click.echo(m, err=True))
     rep = check_bundle(bundle, trt_lint=trt_lint, weights=weights)
     click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
     sys.exit(0 if rep.passed else 1)

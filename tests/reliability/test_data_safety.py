@@ -97,6 +97,34 @@ def test_a_bundle_given_through_a_link_is_changed_where_it_lies(bundle, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "link"]
 
 
+def test_check_records_missing_reference_data_from_the_sources(hf_target, tmp_path):
+    """A bundle converted with --no-check gets check/ on its first `dspark-export check`, from the checkpoints its
+    manifest names; a changed source is refused in one line and nothing is written."""
+    from click.testing import CliRunner
+
+    from dspark.cli import export_cli
+
+    bundle = tmp_path / "bundle"
+    made = CliRunner().invoke(export_cli, ["onnx", "--target", str(hf_target), "--draft", "random:5", "-o",
+                                           str(bundle), "--max-context", "64", "--no-check", "--quiet"])
+    assert made.exit_code == 0 and not (bundle / "check").exists(), made.output
+    tree = tree_hashes(bundle)
+    moved = tmp_path / "moved-target"
+    hf_target.rename(moved)
+    try:
+        refused = CliRunner().invoke(export_cli, ["check", str(bundle)])
+    finally:
+        moved.rename(hf_target)
+    assert refused.exit_code == 2 and "is not on this machine" in refused.output, refused.output
+    assert tree_hashes(bundle) == tree
+    checked = CliRunner().invoke(export_cli, ["check", str(bundle)])
+    assert checked.exit_code == 0, checked.output
+    assert "recording it once" in checked.output and (bundle / "check" / "expected.json").exists()
+    assert sorted(p.name for p in bundle.iterdir() if p.name.startswith(".")) == []
+    again = CliRunner().invoke(export_cli, ["check", str(bundle)])
+    assert again.exit_code == 0 and "recording" not in again.output
+
+
 def test_calibrate_writes_only_the_draft_config_and_only_after_validating(tiny_bundle_v6, bundle, tmp_path):
     from dspark.calibration.calibrate import calibrate
 

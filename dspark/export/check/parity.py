@@ -47,7 +47,8 @@ TOLERANCES = {
 # ----------------------------------------------------------------------------------------- export side (torch)
 
 
-def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> None:
+def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS, into: Path | None = None) -> None:
+    """Record check/ of `bundle` (into another folder with `into`, which becomes check/ afterwards)."""
     manifest = Manifest.read(bundle)
     # The weights stay mapped from the bundle file (no fp32 copy): the recording only has to fit beside nothing.
     rt = Runtime(bundle, backend=OrtBackend(bundle, manifest, weights="mapped"))
@@ -67,7 +68,7 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS) -> Non
     pair.realize(precision)
     modules = {"verifier": VerifierGraph(pair.target), "draft": DraftGraph(pair.drafter),
                "heads": HeadsGraph(pair.drafter)}
-    out_dir = bundle / CHECK_DIR
+    out_dir = Path(into) if into is not None else bundle / CHECK_DIR
     out_dir.mkdir(exist_ok=True)
     for name, calls in captured.items():
         specs = specs_of[name]
@@ -181,7 +182,8 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
     check_dir = bundle / CHECK_DIR
     if not (check_dir / "expected.json").exists():
         raise DSparkError(f"{bundle} has no {CHECK_DIR}/ reference data (`dspark demo` and `dspark-export onnx "
-                          f"--no-check` skip it); `dspark-export onnx` without --no-check records it")
+                          f"--no-check` skip it); `dspark-export check` records it from the checkpoints the bundle was "
+                          f"converted from")
     check_reference(bundle)  # the recorded data is untrusted input too (doctor reads it through here)
     rt = Runtime(bundle, weights=weights)
     rows: list[CheckRow] = []

@@ -305,6 +305,11 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     return output
 
 
+def draft_ids_for(pair: Pair, size: int, stop_ids: tuple[int, ...]):
+    """The draft vocabulary an export with --draft-vocab SIZE chose (the checkpoint's own ranking)."""
+    return _draft_ids(pair, size, None, stop_ids)
+
+
 def _draft_ids(pair: Pair, size: int, ranking: list[int] | None, stop_ids: tuple[int, ...]):
 
     vocab = pair.drafter.cfg.vocab_size
