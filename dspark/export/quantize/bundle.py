@@ -127,7 +127,8 @@ def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vo
         probe = nbits.window(PROBE_ROWS, PROBE_COLS)  # what the kernel multiplies by, on a window
         diff = float(abs(probe_weight(probe) - want[:probe.rows, :probe.cols]).max())
         worst[m.matrix.qtype] = max(worst.get(m.matrix.qtype, 0.0), diff)
-        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab, fused))
+        level = _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab, fused)
+        writer.replace(m.weight.node, nbits, level, m.weight.key)
     formats = Counter(m.matrix.qtype for m in matches)
     return {"gguf": str(path), "formats": dict(sorted(formats.items())),
             "q4_1": opts.q4_1 if "Q4_1" in formats else None,
@@ -157,7 +158,7 @@ def _ort_quantize(writer: NBitsWriter, weights: list[ConstWeight], vocab: int, g
         head = w.shape[1] == vocab
         bits = opts.head_bits if head else opts.bits
         level = _level(opts, graph, bits, head, fused)
-        writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level)
+        writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level, w.key)
         kinds[(bits, level)] += 1
     return {"matmuls": {f"{bits}-bit, accuracy_level {level}": count for (bits, level), count in sorted(kinds.items())}}
 
@@ -172,7 +173,7 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
     stored = StoredWeights(source.parent)
     weights = constant_matmul_weights(model, minimum, stored)
-    _name_by_weight(weights)
+    _key_by_weight(weights)
     if not weights:
         raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
     record = {"op": "MatMulNBits", "bits": opts.bits, "head_bits": opts.head_bits, "block_size": opts.block_size,
@@ -211,16 +212,17 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     return record
 
 
-def _name_by_weight(weights: list[ConstWeight]) -> None:
-    """Name each MatMul after its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
-    the MatMulNBits nodes replacing them keep the name, which is how dspark.export.twins.ort_fused finds projections."""
+def _key_by_weight(weights: list[ConstWeight]) -> None:
+    """Key each MatMul by its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
+    the tensors of the MatMulNBits replacing it are named after the key (<key>.nbits.B, ...), which is how
+    dspark.export.twins.ort_fused finds projections."""
     taken: set[str] = set()
     for w in weights:
-        name = f"{w.source}.matmul"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        w.node.name = name
+        key = f"{w.source}.matmul"
+        while key in taken:
+            key += "_"
+        taken.add(key)
+        w.key = key
 
 
 def _attr(node: ir.Node, name: str) -> int:

@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from dspark.export.quantize.gguf_blocks import NBitsWeight
 from dspark.export.quantize.weight_stream import StoredWeights
-from dspark.export.twins.graph_copy import take_over
+from dspark.export.twins.graph_copy import UniqueNames, take_over
 
 PASS_THROUGH = ("Transpose", "Cast", "Identity")
 MS_DOMAIN = "com.microsoft"
@@ -36,6 +36,7 @@ class ConstWeight:
     init: ir.Value
     chain: list[ir.Node]
     stored: StoredWeights | None = None  # where external data lives (None: read where the tensor says)
+    key: str | None = None  # what the tensors replacing it are named after (None: the MatMul's output)
 
     @property
     def weight(self) -> np.ndarray:
@@ -110,7 +111,12 @@ def _in_memory(array: np.ndarray, name: str) -> ir.TensorProtocol:
 
 class NBitsWriter:
     """Replaces MatMuls by MatMulNBits nodes in one graph; the Q4_1 minimum term's block sums of an activation are
-    computed once however many matrices read that activation."""
+    computed once however many matrices read that activation.
+
+    The new nodes are named in the MatMul's scope (target/layers.3/mlp/up_proj/MatMul ->
+    target/layers.3/mlp/up_proj/MatMulNBits, .../mins/MatMul, .../mins/Add; block sums .../blocksum32/ReduceSum in
+    the scope of the first MatMul reading the activation), the new tensors after the weight's key
+    (<key>.nbits.B, <key>.nbits.scales, ...)."""
 
     def __init__(self, model: ir.Model, accuracy_level: int,
                  store: Callable[[np.ndarray, str], ir.TensorProtocol] = _in_memory):
@@ -120,6 +126,7 @@ class NBitsWriter:
         self.block_sums: dict[tuple[ir.Value, int, int], ir.Value] = {}
         self.new_nodes: dict[ir.Node, tuple[ir.Value, list[ir.Node]]] = {}  # MatMul -> (its activation, replacement)
         self.pending: dict[ir.Value, list[ir.Node]] = {}  # block-sum nodes of an activation, before its first reader
+        self._name = UniqueNames(node.name for node in model.graph.all_nodes())
 
     def _init(self, array: np.ndarray, name: str) -> ir.Value:
         # (no type or shape on the value: the graph file describes the tensor once, in the initializer)
@@ -128,37 +135,40 @@ class NBitsWriter:
         self.written.append(name)
         return value
 
-    def replace(self, node: ir.Node, w: NBitsWeight, accuracy_level: int | None = None) -> None:
-        """Queue the replacement of MatMul `node` (activation node.inputs[0], weight [K, N] = w's transpose)."""
+    def replace(self, node: ir.Node, w: NBitsWeight, accuracy_level: int | None = None, key: str | None = None) -> None:
+        """Queue the replacement of MatMul `node` (activation node.inputs[0], weight [K, N] = w's transpose); the
+        new tensors are named after `key` (default: the MatMul's output)."""
         level = self.accuracy_level if accuracy_level is None else accuracy_level
-        base = node.name or node.outputs[0].name
+        base, scope = key or node.outputs[0].name, _scope(node)
         x = node.inputs[0]
         inputs = [x, self._init(w.packed, f"{base}.nbits.B"), self._init(w.scales.reshape(-1), f"{base}.nbits.scales")]
         if w.zero_points is not None:
             inputs.append(self._init(w.zero_points.reshape(-1), f"{base}.nbits.zero_points"))
         attributes = {"K": w.cols, "N": w.rows, "accuracy_level": level, "bits": w.bits, "block_size": w.block_size}
-        nodes = [_node("MatMulNBits", inputs, f"{base}.nbits.out", f"{base}.nbits", attributes, MS_DOMAIN)]
+        nodes = [_node("MatMulNBits", inputs, f"{base}.nbits.out", self._name(f"{scope}/MatMulNBits"), attributes,
+                       MS_DOMAIN)]
         if w.mins is not None:
-            sums = self._block_sums(x, w.cols, w.block_size)
+            sums = self._block_sums(x, w.cols, w.block_size, scope)
             mins = self._init(np.ascontiguousarray(w.mins.T), f"{base}.nbits.mins")  # [K/block, N]
-            nodes.append(_node("MatMul", [sums, mins], f"{base}.mins.out", f"{base}.mins"))
-            nodes.append(_node("Add", [nodes[0].outputs[0], nodes[1].outputs[0]], "", f"{base}.mins.add"))
+            nodes.append(_node("MatMul", [sums, mins], f"{base}.mins.out", self._name(f"{scope}/mins/MatMul")))
+            nodes.append(_node("Add", [nodes[0].outputs[0], nodes[1].outputs[0]], "", self._name(f"{scope}/mins/Add")))
         self.new_nodes[node] = x, nodes
 
-    def _block_sums(self, x: ir.Value, k: int, block: int) -> ir.Value:
+    def _block_sums(self, x: ir.Value, k: int, block: int, scope: str) -> ir.Value:
         """x [..., K] -> [..., K/block]: the sum over each block of `block` consecutive features."""
         key = (x, k, block)
         if key not in self.block_sums:
-            p = f"{x.name}.blocksum{block}"
+            p, at = f"{x.name}.blocksum{block}", f"{scope}/blocksum{block}"
             tail = self._init(np.array([k // block, block], dtype=np.int64), f"{p}.tail")
             start = self._init(np.array([0], dtype=np.int64), f"{p}.start")
             stop = self._init(np.array([-1], dtype=np.int64), f"{p}.stop")
             axes = self._init(np.array([-1], dtype=np.int64), f"{p}.axes")
-            shape = _node("Shape", [x], f"{p}.shape", f"{p}.shape")
-            lead = _node("Slice", [shape.outputs[0], start, stop], f"{p}.lead", f"{p}.lead")
-            concat = _node("Concat", [lead.outputs[0], tail], f"{p}.blocked_shape", f"{p}.concat", {"axis": 0})
-            reshape = _node("Reshape", [x, concat.outputs[0]], f"{p}.blocked", f"{p}.reshape")
-            total = _node("ReduceSum", [reshape.outputs[0], axes], p, p, {"keepdims": 0})
+            shape = _node("Shape", [x], f"{p}.shape", self._name(f"{at}/Shape"))
+            lead = _node("Slice", [shape.outputs[0], start, stop], f"{p}.lead", self._name(f"{at}/Slice"))
+            concat = _node("Concat", [lead.outputs[0], tail], f"{p}.blocked_shape", self._name(f"{at}/Concat"),
+                           {"axis": 0})
+            reshape = _node("Reshape", [x, concat.outputs[0]], f"{p}.blocked", self._name(f"{at}/Reshape"))
+            total = _node("ReduceSum", [reshape.outputs[0], axes], p, self._name(f"{at}/ReduceSum"), {"keepdims": 0})
             self.pending.setdefault(x, []).extend([shape, lead, concat, reshape, total])
             self.block_sums[key] = total.outputs[0]
         return self.block_sums[key]
@@ -173,6 +183,13 @@ class NBitsWriter:
             graph.remove(node, safe=True)
         prune(self.model)
         return len(self.new_nodes)
+
+
+def _scope(node: ir.Node) -> str:
+    """Where a node's replacement goes: its name's scope (target/layers.3/mlp/up_proj/MatMul ->
+    target/layers.3/mlp/up_proj), or the name itself if it has none."""
+    name = node.name or node.outputs[0].name
+    return name.rpartition("/")[0] or name
 
 
 def _node(op: str, inputs: list[ir.Value], output: str, name: str, attributes: dict | None = None,
@@ -216,7 +233,7 @@ def vocab_matmul_output(model: ir.Model, vocab: int) -> str:
 def nbits_model(w: NBitsWeight, accuracy_level: int = 0) -> ir.Model:
     """A one-MatMul model Y = A W^T with W held as NBitsWriter writes it (A: [M, K], Y: [M, N])."""
     a = ir.Value(name="A", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["M", w.cols]))
-    matmul = _node("MatMul", [a, ir.Value(name="W")], "Y", "matmul")
+    matmul = _node("MatMul", [a, ir.Value(name="W")], "Y", "probe/MatMul")
     y = matmul.outputs[0]
     y.type, y.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["M", w.rows])
     graph = ir.Graph([a], [y], nodes=[matmul], name="nbits", opset_imports={"": 21, MS_DOMAIN: 1})

@@ -65,8 +65,13 @@ class Lanes:
         batch = b.add("Shape", [b.input("tokens")], start=0, end=1)[0]
         longest = b.add("ReduceMax", [b.add("Concat", [past_len, ones["zero"]], axis=0)[0]], keepdims=1)[0]
         lanes_len = b.add("Concat", [past_len, b.const(np.zeros(self.count, np.int64), "idle_lanes")], axis=0)[0]
-        self.lengths = [_LaneLengths(b, r, lanes_len, self.positions, self.last, ones) for r in range(self.count)]
-        self.active = [b.add("Squeeze", [b.add("Less", [ones[f"lane{r}"], batch])[0]])[0] for r in range(self.count)]
+        self.lengths, self.active = [], []
+        for r in range(self.count):
+            with b.scope(f"lane{r}"):
+                self.lengths.append(_LaneLengths(b, r, lanes_len, self.positions, self.last, ones))
+        for r in range(self.count):
+            with b.scope(f"lane{r}"):
+                self.active.append(b.add("Squeeze", [b.add("Less", [ones[f"lane{r}"], batch])[0]])[0])
         end = b.add("Squeeze", [b.add("Add", [b.add("Add", [longest, self.positions])[0], ones["one"]])[0]])[0]
         self.rope = rope_tables(b, end, inv_freq)
         return self.rope
@@ -85,6 +90,11 @@ class Lanes:
 
     def _lane(self, r: int, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
               presents: tuple[str, str] | list[str]) -> ir.Value:
+        with self.b.scope(f"lane{r}"):
+            return self._lane_attention(r, layer, q, k, v, presents)
+
+    def _lane_attention(self, r: int, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
+                        presents: tuple[str, str] | list[str]) -> ir.Value:
         b, ones, lengths = self.b, self.ones, self.lengths[r]
         rows = [b.add("Slice", [t, ones[f"lane{r}"], ones[f"lane{r + 1}"], ones["zero"]])[0] if t else None
                 for t in (q, k, v)]
@@ -106,21 +116,29 @@ class Lanes:
         out = self._lane(r, layer, *qkv, inner[:2])
         if r + 1 < self.count:
             rest = self._nested(r + 1, layer, qkv, lane0, [b.name("lanes_attn"), *inner[2:]])
-            out = b.add("Concat", [out, rest], axis=0)[0]
+            with b.scope(f"lanes{r}"):
+                out = b.add("Concat", [out, rest], axis=0)[0]
         then_nodes, b.nodes = b.nodes, []
-        empty = b.add("Slice", [lane0, self.ones["zero"], self.ones["zero"], self.ones["zero"]])[0]
-        idle = b.add("Identity", [empty])[0]  # every idle lane's presents (never read)
+        with b.scope(f"lanes{r}"):
+            empty = b.add("Slice", [lane0, self.ones["zero"], self.ones["zero"], self.ones["zero"]])[0]
+            idle = b.add("Identity", [empty])[0]  # every idle lane's presents (never read)
         else_nodes, b.nodes = b.nodes, outer
         then_graph = ir.Graph([], _floats(out, *[b.named[n] for n in inner]), nodes=then_nodes,
                               name=f"lanes{r}_layer{layer}_then")
         else_graph = ir.Graph([], _floats(empty, *[idle] * len(inner)), nodes=else_nodes,
                               name=f"lanes{r}_layer{layer}_else")
-        b.add("If", [self.active[r]], names=names, then_branch=then_graph, else_branch=else_graph)
+        with b.scope(f"lanes{r}"):
+            b.add("If", [self.active[r]], names=names, then_branch=then_graph, else_branch=else_graph)
         return b.named[names[0]]
 
 
 def rope_tables(b: GraphBuilder, end: ir.Value, inv_freq: ir.Value) -> tuple[ir.Value, ir.Value]:
     """RoPE's cos and sin tables [end, head_dim / 2] for positions 0..end-1 (end: an int64 scalar)."""
+    with b.scope("rope"):
+        return _rope_tables(b, end, inv_freq)
+
+
+def _rope_tables(b: GraphBuilder, end: ir.Value, inv_freq: ir.Value) -> tuple[ir.Value, ir.Value]:
     steps = b.add("Range", [b.const(np.array(0, np.int64), "zero"), end, b.const(np.array(1, np.int64), "step")])[0]
     pos_f = b.add("Unsqueeze", [b.add("Cast", [steps], to=FLOAT)[0], b.const(np.array([1], np.int64), "one")])[0]
     freqs = b.add("Mul", [pos_f, inv_freq])[0]

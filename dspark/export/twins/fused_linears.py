@@ -1,9 +1,9 @@
 """The projections of a portable verifier and their copies in the fused one.
 
-A projection is found by the module path its weight (fp32 MatMul) or node (MatMulNBits, named by
-dspark.export.quantize.bundle after the MatMul it replaced) carries. Projections that read the same activation and
-are all MatMulNBits alike (q/k/v; gate/up) become one MatMulNBits over their concatenated blocks: one kernel call and
-one Q4_1 minimum term instead of three or two. Other projections are copied as they stand.
+A projection is found by the module path its weight carries (an fp32 MatMul's initializer, a MatMulNBits's blocks:
+dspark.export.quantize.bundle names them after the weight they replace). Projections that read the same activation
+and are all MatMulNBits alike (q/k/v; gate/up) become one MatMulNBits over their concatenated blocks: one kernel
+call and one Q4_1 minimum term instead of three or two. Other projections are copied as they stand.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _out_features(g: GraphIndex, node: ir.Node) -> int:
 
 def find_linears(g: GraphIndex) -> dict[tuple[int, str], Linear]:
     """(layer, role) -> the projection, named by its weight's module path (a MatMul's weight initializer, or a
-    MatMulNBits node named after the MatMul it replaced)."""
+    MatMulNBits's blocks, named after the weight they replaced; a node name saying it, as older bundles have)."""
     found: dict[tuple[int, str], Linear] = {}
     for node in g.graph:
         if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
@@ -60,14 +60,30 @@ def find_linears(g: GraphIndex) -> dict[tuple[int, str], Linear]:
             continue
         if m is None:
             continue
-        y, mins = node.outputs[0], None
-        readers = g.consumers(y)
-        if len(readers) == 1 and readers[0].op_type == "Add" and (readers[0].name or "").endswith(".mins.add"):
-            add = readers[0]  # Q4_1: the minimum term (block sums @ mins) is part of the projection
-            term = next(i for i in add.inputs if i is not y).producer()
-            y, mins = add.outputs[0], g.root(term.inputs[1])
+        y, mins = node.outputs[0], _minimum_term(g, node.outputs[0])
+        if mins is not None:  # Q4_1: the minimum term (block sums @ mins) is part of the projection
+            y = g.consumers(y)[0].outputs[0]
         found[(int(m.group(1)), m.group(2))] = Linear(node.inputs[0], y, _out_features(g, node), node, mins)
     return found
+
+
+def _scope(roles: tuple[str, ...]) -> str:
+    """q_proj; q_proj, k_proj, v_proj -> qkv_proj; gate_proj, up_proj -> gate_up_proj"""
+    stems = [r.removesuffix("_proj") for r in roles]
+    return ("" if all(len(s) == 1 for s in stems) else "_").join(stems) + "_proj"
+
+
+def _minimum_term(g: GraphIndex, y: ir.Value) -> ir.Value | None:
+    """The [K/block, N] initializer of the Q4_1 minimum term added to a MatMulNBits output y (Add(y, MatMul(block
+    sums, <key>.nbits.mins)), as quantize writes it), or None."""
+    readers = g.consumers(y)
+    if len(readers) != 1 or readers[0].op_type != "Add":
+        return None
+    term = next((i for i in readers[0].inputs if i is not y), None)
+    term = term.producer() if term is not None else None
+    if term is None or term.op_type != "MatMul" or not g.root(term.inputs[1]).name.endswith(".nbits.mins"):
+        return None
+    return g.root(term.inputs[1])
 
 
 def _attrs(node: ir.Node) -> dict:
@@ -86,16 +102,24 @@ class Projections:
         parts = [self.linears[(layer, r)] for r in roles]
         joined = self.packed(layer, roles, x) if len(parts) > 1 else None
         if joined is not None:
-            sizes = self.b.const(np.array([p.out_features for p in parts], np.int64), "split")
-            return self.b.add("Split", [joined, sizes], len(parts), axis=-1)
-        return [self._nbits([p], x) if p.node.op_type == "MatMulNBits"
-                else self.b.copy(p.y, {p.x: x}, x.name)  # one tag per activation: shared sub-results
-                for p in parts]
+            with self.b.scope(_scope(roles)):
+                sizes = self.b.const(np.array([p.out_features for p in parts], np.int64), "split")
+                return self.b.add("Split", [joined, sizes], len(parts), axis=-1)
+        return [self._one(p, role, x) for p, role in zip(parts, roles)]
+
+    def _one(self, p: Linear, role: str, x: ir.Value) -> ir.Value:
+        if p.node.op_type != "MatMulNBits":
+            return self.b.copy(p.y, {p.x: x}, x.name)  # one tag per activation: shared sub-results
+        with self.b.scope(role):
+            return self._nbits([p], x)
 
     def packed(self, layer: int, roles: tuple[str, ...], x: ir.Value) -> ir.Value | None:
         """The roles' outputs as one concatenated value when they can be one MatMulNBits, else None."""
         parts = [self.linears[(layer, r)] for r in roles]
-        return self._nbits(parts, x) if self._concatenable(parts) else None
+        if not self._concatenable(parts):
+            return None
+        with self.b.scope(_scope(roles)):
+            return self._nbits(parts, x)
 
     @staticmethod
     def _concatenable(parts: list[Linear]) -> bool:
@@ -154,10 +178,13 @@ class Projections:
         """x [B, S, K] -> [B, S, K/block]: the sums over each block (the Q4_1 minimum term's input)."""
         key = (x, k, block)
         if key not in self.block_sums:
-            blocked = self.b.add("Reshape", [x, self.b.const(np.array([0, 0, k // block, block], np.int64), "blocks")])
-            self.block_sums[key] = self.b.add("ReduceSum", [blocked[0], self.b.const(np.array([-1], np.int64), "last")],
-                                              keepdims=0)[0]
+            with self.b.scope("blocksums"):
+                self.block_sums[key] = self._sum_blocks(x, k, block)
         return self.block_sums[key]
+
+    def _sum_blocks(self, x: ir.Value, k: int, block: int) -> ir.Value:
+        blocked = self.b.add("Reshape", [x, self.b.const(np.array([0, 0, k // block, block], np.int64), "blocks")])
+        return self.b.add("ReduceSum", [blocked[0], self.b.const(np.array([-1], np.int64), "last")], keepdims=0)[0]
 
     def _read(self, value: ir.Value) -> np.ndarray:
         """An initializer's array; external data read from the bundle folder's files (a memory map)."""

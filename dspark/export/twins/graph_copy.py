@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -59,8 +61,27 @@ def take_over(old: ir.Value, new: ir.Value) -> None:
     described(new, old).name = name
 
 
+class UniqueNames:
+    """Names asked for, made unique in the order they are asked for: a name taken already gets _1, _2, ..."""
+
+    def __init__(self, taken=()):
+        self.taken: set[str] = set(taken)
+
+    def __call__(self, wanted: str) -> str:
+        name, k = wanted, 0
+        while name in self.taken:
+            k += 1
+            name = f"{wanted}_{k}"
+        self.taken.add(name)
+        return name
+
+
 class GraphBuilder:
-    """Copies parts of the old graph into the new one, with some old values replaced by new ones."""
+    """Copies parts of the old graph into the new one, with some old values replaced by new ones.
+
+    A node it makes is named by the scopes it is made in and its operator (fused/layers.3/attn/GroupQueryAttention),
+    a node it copies by its name in the old graph under fused/ (fused/target/embed_tokens/Gather); a name already
+    taken gets _1, _2, ... Values are named fused/<hint>_<n>, n counting the values and nodes made so far."""
 
     def __init__(self, g: GraphIndex):
         self.g = g
@@ -70,16 +91,28 @@ class GraphBuilder:
         self.copied: dict[tuple[ir.Value, str], ir.Value] = {}
         self.named: dict[str, ir.Value] = {}
         self.counter = 0
+        self.scopes = ["fused"]
+        self.node_name = UniqueNames()
 
     def name(self, hint: str) -> str:
         self.counter += 1
         return f"fused/{hint}_{self.counter}"
 
+    @contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Nodes made within are named under `name` (inside the scopes already open)."""
+        self.scopes.append(name)
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
     def add(self, op: str, inputs: list[ir.Value | None], n_out: int = 1, domain: str = "",
             names: list[str] | None = None, **attrs) -> list[ir.Value]:
         outs = names or [self.name(op.lower()) for _ in range(n_out)]
+        self.counter += 1  # (a node takes a number too)
         node = ir.node(op, inputs, dict(sorted(attrs.items())), domain=domain, num_outputs=len(outs),
-                       name=self.name(op))
+                       name=self.node_name("/".join([*self.scopes, op])))
         for value, name in zip(node.outputs, outs):
             value.name = name
             self.named[name] = value
@@ -119,9 +152,10 @@ class GraphBuilder:
             raise DSparkError(f"fused verifier: cannot trace {value.name!r} in the portable graph")
         inputs = [self.copy(i, subst, tag) for i in node.inputs]
         attributes = [ir.Attr(a.name, a.type, a.value, doc_string=a.doc_string) for a in node.attributes.values()]
+        name = self.node_name(f"fused/{node.name or node.outputs[0].name}")
         clone = ir.Node(node.domain, node.op_type, inputs, attributes, overload=node.overload,
-                        num_outputs=len(node.outputs), name=f"{node.name or node.outputs[0].name}@{tag}",
-                        doc_string=node.doc_string, metadata_props=dict(node.metadata_props))
+                        num_outputs=len(node.outputs), name=name, doc_string=node.doc_string,
+                        metadata_props=dict(node.metadata_props))
         for old, new in zip(node.outputs, clone.outputs):
             new.name = f"{old.name}@{tag}" if old.name else ""
             self.copied[(old, tag)] = new

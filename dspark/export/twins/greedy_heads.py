@@ -78,9 +78,9 @@ def greedy_heads(model: ir.Model, block_size: int) -> ir.Model:
     for node in reversed(list(graph)):  # drop what only the sampling outputs needed
         if not any(_read(o) for o in node.outputs):
             graph.remove(node, safe=True)
-    sampling = [v for v in graph.inputs if v.name in SAMPLING_INPUTS]
-    if any(v.uses() for v in sampling):
-        raise DSparkError(f"greedy heads: the rewritten graph still reads {sorted(v.name for v in sampling if v.uses())}")
+    read = sorted(v.name for v in graph.inputs if v.name in SAMPLING_INPUTS and v.uses())
+    if read:
+        raise DSparkError(f"greedy heads: the rewritten graph still reads {read}")
     graph.inputs[:] = [v for v in graph.inputs if v.name not in SAMPLING_INPUTS]  # the others kept even if unused
     for name, value in list(graph.initializers.items()):
         if not _read(value):

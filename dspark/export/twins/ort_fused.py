@@ -170,11 +170,13 @@ class _FusedVerifier:
         self.lane_past, self.lane_present = lane_specs(lanes, self.layers, self.kv_heads, self.hd)
         for name, shape in self.lane_past:
             self.b.input(name, shape)
-        self.rows = _PadToTwo(self.b)
+        with self.b.scope("pad"):
+            self.rows = _PadToTwo(self.b)
         self.proj = Projections(self.b, self.linears, folder)
         self.gqa = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
                     "do_rotary": 1, "rotary_interleaved": 0, "scale": float(self.hd) ** -0.5}
-        self.lanes = Lanes(self.b, lanes, self.rows.positions, self.gqa) if lanes > 1 else None
+        with self.b.scope("lanes"):
+            self.lanes = Lanes(self.b, lanes, self.rows.positions, self.gqa) if lanes > 1 else None
 
     def build(self, tap_ids: list[int]) -> ir.Model:
         b, g = self.b, self.g
@@ -182,20 +184,25 @@ class _FusedVerifier:
         if embed is None:
             raise DSparkError("fused verifier: the portable graph has no embedding lookup")
         x = b.copy(_widened(g, embed.outputs[0]), {}, "embed")
-        self.attention_inputs = self._lengths_and_rope()
+        with b.scope("positions"):
+            self.attention_inputs = self._lengths_and_rope()
         taps = {-1: x} if -1 in tap_ids else {}
         residual, update = x, None
         for i in range(self.layers):
             layer_input, residual, update = self._layer(i, residual, update)
             if i - 1 in tap_ids:  # layer i - 1's output is what layer i's fused norm adds up
                 taps[i - 1] = layer_input
-        hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4, MS,
-                       epsilon=self.eps)[0]
+        with b.scope("norm"):
+            hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4,
+                           MS, epsilon=self.eps)[0]
         for o in TAIL_OUTPUTS:
-            b.add("Identity", [b.copy(g.values[o], {self.norm_out: hidden}, "tail")], names=[o])
+            tail = b.copy(g.values[o], {self.norm_out: hidden}, "tail")
+            with b.scope("outputs"):
+                b.add("Identity", [tail], names=[o])
         tap_values = [taps[t] for t in tap_ids]
-        b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
-              **({"axis": -1} if len(tap_values) > 1 else {}))
+        with b.scope("outputs"):
+            b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
+                  **({"axis": -1} if len(tap_values) > 1 else {}))
         return self._model()
 
     def _model(self) -> ir.Model:
@@ -235,27 +242,33 @@ class _FusedVerifier:
         """Decoder layer i on the residual stream (plus the previous layer's update, added by the fused norm);
         returns (its input: the previous layer's output, the stream after its attention, its MLP's update)."""
         b, proj, eps = self.b, self.proj, self.eps
-        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "q_proj")]))
-        if update is None:
-            h = b.add("SimplifiedLayerNormalization", [residual, gamma], axis=-1, epsilon=eps)[0]
-        else:
-            h, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [update, residual, gamma], 4, MS,
-                                      epsilon=eps)
-        layer_input = residual
-        qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
-        if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
-            q, k, v = qkv, None, None
-        else:
-            q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
-            if self.qk_norm:
-                q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
-        attn = self._attention(i, q, k, v)
-        o, = proj(i, ("o_proj",), attn)
-        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
-        h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS, epsilon=eps)
-        gate, up = proj(i, ("gate_proj", "up_proj"), h2)
-        act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
-        return layer_input, residual, proj(i, ("down_proj",), act)[0]
+        with b.scope(f"layers.{i}"):
+            with b.scope("input_norm"):
+                gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "q_proj")]))
+                if update is None:
+                    h = b.add("SimplifiedLayerNormalization", [residual, gamma], axis=-1, epsilon=eps)[0]
+                else:
+                    h, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [update, residual, gamma], 4,
+                                              MS, epsilon=eps)
+            layer_input = residual
+            qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
+            if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
+                q, k, v = qkv, None, None
+            else:
+                q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
+                if self.qk_norm:
+                    q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
+            with b.scope("attn"):
+                attn = self._attention(i, q, k, v)
+            o, = proj(i, ("o_proj",), attn)
+            with b.scope("post_attention_norm"):
+                gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
+                h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS,
+                                           epsilon=eps)
+            gate, up = proj(i, ("gate_proj", "up_proj"), h2)
+            with b.scope("mlp"):
+                act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
+            return layer_input, residual, proj(i, ("down_proj",), act)[0]
 
     def _attention(self, i: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None) -> ir.Value:
         """Layer i's attention of q/k/v [batch, positions, *] (k and v None when q packs the three)."""
@@ -271,10 +284,11 @@ class _FusedVerifier:
     def _head_norm(self, v: ir.Value, i: int, role: str) -> ir.Value:
         """Qwen3's per-head RMSNorm of q and k."""
         b, hd = self.b, self.hd
-        gamma = _weight(b, _head_norm_gamma(self.g, self.linears[(i, role)].y, hd))
-        shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
-        normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
-        return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
+        with b.scope(role.replace("_proj", "_norm")):
+            gamma = _weight(b, _head_norm_gamma(self.g, self.linears[(i, role)].y, hd))
+            shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
+            normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
+            return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
 
 
 class _PadToTwo:
@@ -303,6 +317,10 @@ class _PadToTwo:
 
     def decide(self, total: ir.Value) -> None:
         """total: [1] the step's last position + 1 over the batch, without the pad."""
+        with self.b.scope("pad"):
+            self._decide(total)
+
+    def _decide(self, total: ir.Value) -> None:
         b = self.b
         single = b.add("Equal", [b.add("Shape", [b.input("tokens")], start=0, end=1)[0], self.one])[0]
         # 0: a prefill, whose present.* ONNX Runtime sizes
