@@ -82,6 +82,11 @@ class _OneLayer(nn.Module):
         return self.step(self.layer, *tensors)
 
 
+# (set down here: the graphs record the lines of the code above, which a stamped layer runs)
+TRACED_LAYER = "layer"  # the traced layer's module path inside its function: _OneLayer.layer
+LAYER = "dspark.layer"  # metadata of an inlined node: its layer's module path (naming reads and removes it)
+
+
 def layer_function(stack: LayerStack) -> ir.Function:
     """Trace the stack's first layer on the recorded example into dspark.stamp::Layer: the step's tensors, then
     the layer's weights, as inputs. Call within `stamped(stack)`, with the layers on the meta device."""
@@ -96,9 +101,9 @@ def layer_function(stack: LayerStack) -> ir.Function:
     graph = prog.model.graph
     weights = []
     for name, param in stack.layers[0].named_parameters():
-        value = graph.initializers.get(f"layer.{name}")
+        value = graph.initializers.get(f"{TRACED_LAYER}.{name}")
         if value is None:  # unused by the step: still an input, so the calls line up
-            value = ir.Value(name=f"layer.{name}", shape=ir.Shape(list(param.shape)))
+            value = ir.Value(name=f"{TRACED_LAYER}.{name}", shape=ir.Shape(list(param.shape)))
         else:
             del graph.initializers[value.name]
             value.const_value = None
@@ -118,11 +123,17 @@ def layer_function(stack: LayerStack) -> ir.Function:
 
 
 def inline_layers(model: ir.Model, function: ir.Function) -> int:
-    """Replace every dspark.stamp::Layer call in `model` by the function's body on that call's inputs."""
-    calls = sum(1 for node in model.graph if node.domain == DOMAIN and node.op_type == OP)
+    """Replace every dspark.stamp::Layer call in `model` by the function's body on that call's inputs. Each
+    inlined node carries its layer's module path (metadata LAYER: the call's, found from its last weight's name) for
+    dspark.export.trace.naming, which names the nodes and removes it."""
+    calls = [node for node in model.graph if node.domain == DOMAIN and node.op_type == OP]
+    weight = function.inputs[-1].name  # layer.<name in the layer>; the call's: <layer's path>.<name in the layer>
+    for call in calls:
+        path = call.inputs[-1].name.removesuffix(weight[len(TRACED_LAYER):])
+        call.metadata_props[LAYER] = path
     for domain, version in function.opset_imports.items():
         model.opset_imports.setdefault(domain, version)
     model.functions[function.identifier()] = function
     InlinePass(criteria=lambda f: f.domain == DOMAIN)(model)
     model.opset_imports.pop(DOMAIN, None)
-    return calls
+    return len(calls)

@@ -3,6 +3,7 @@ reader's dequantization, graph weights are found by value (transposed, row-permu
 graph rewritten with them multiplies like the fp32 graph."""
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -102,6 +103,7 @@ def test_graph_weights_are_found_by_value_and_rewritten(gguf_file):
     x = rng.standard_normal((2, 3, 96)).astype(np.float32)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
 
+    model = ir.serde.deserialize_model(model)
     weights = constant_matmul_weights(model)
     assert [w.node.name for w in weights] == ["q", "up", "down", "other", "head"]
     matches, rest = match_weights([w for w in weights if w.node.name != "other"], matrices)
@@ -113,10 +115,11 @@ def test_graph_weights_are_found_by_value_and_rewritten(gguf_file):
     for m in matches:
         writer.replace(m.weight.node, to_nbits(m.matrix).take_rows(m.order))
     assert writer.apply() == 4
-    ops = [n.op_type for n in model.graph.node]
+    ops = [n.op_type for n in model.graph]
     assert ops.count("MatMulNBits") == 4 and ops.count("ReduceSum") == 1  # one block sum for the Q4_1 input
-    assert "t" in [n.name for n in model.graph.node]  # the Transpose still feeds the MatMul left alone
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert "t" in [n.name for n in model.graph]  # the Transpose still feeds the MatMul left alone
+    proto = ir.to_proto(model).SerializeToString()
+    got = ort.InferenceSession(proto, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 

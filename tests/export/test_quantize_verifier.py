@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -49,13 +50,13 @@ def make_gguf_target(bundle: Path, path: Path) -> None:
     model = onnx.load(str(bundle / "verifier.onnx"))
     inits = {i.name: i for i in model.graph.initializer}
     writer = GGUFWriter(str(path), "llama")
-    for w in constant_matmul_weights(model):
+    for w in constant_matmul_weights(ir.serde.deserialize_model(model)):
         name, fmt = gguf_name(w.source, w.shape[1] == V)
         qtype = GGMLQuantizationType[fmt]
         raw = quantize(np.ascontiguousarray(w.weight.T), qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
         rows = dequantize(raw, qtype).reshape(w.shape[1], w.shape[0])  # [N, K]
-        stored = rows.T if w.node.input[1] == w.source else rows  # a direct [K, N] weight, or one read transposed
+        stored = rows.T if w.node.inputs[1].name == w.source else rows  # a direct [K, N] weight, or one read transposed
         inits[w.source].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(stored), w.source))
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
                  writer.close):

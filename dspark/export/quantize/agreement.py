@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from dspark.bundle import Manifest
 from dspark.export.quantize.nbits_graph import vocab_matmul_output
+from dspark.export.quantize.weight_stream import load_skeleton
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.ort_backend import session_options, weights_mode
@@ -52,11 +53,15 @@ class LogitsGraph:
     def __init__(self, folder: Path, manifest: Manifest, logits: str, threads: int | None = None,
                  weights: str = "packed"):
         spec = manifest.graphs["verifier"]
-        model = onnx.load(str(Manifest.path(folder, spec.file)), load_external_data=False)
-        model.graph.output.append(onnx.helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, None))
+        model = load_skeleton(Manifest.path(folder, spec.file))
+        graph = model.graph
+        value = next(v for node in graph for v in node.outputs if v.name == logits)
+        value.type = ir.TensorType(ir.DataType.FLOAT)
+        graph.outputs.append(value)
         options = session_options(threads, weights)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        proto = ir.to_proto(model).SerializeToString()
+        self.session = ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
         self.output, self.manifest = logits, manifest
 
     def logits(self, ids: list[int]) -> np.ndarray:
@@ -75,7 +80,7 @@ class LogitsGraph:
 def logits_name(folder: Path) -> str:
     """The logits tensor of an fp32 bundle's verifier (a verifier quantized from it keeps the name)."""
     manifest = Manifest.read(folder)
-    graph = onnx.load(str(Manifest.path(folder, manifest.graphs["verifier"].file)), load_external_data=False)
+    graph = load_skeleton(Manifest.path(folder, manifest.graphs["verifier"].file))
     return vocab_matmul_output(graph, manifest.target["vocab_size"])
 
 

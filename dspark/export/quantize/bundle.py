@@ -12,8 +12,9 @@ At batch 1 every graph is bound by reading its weights; MatMulNBits reads 4- or 
 - draft, heads: the draft side never changes the tokens a request gets (verification uses the distribution the
   draft side actually sampled from); only acceptance can move.
 
-The graph is read with onnx.load (external data resolved from wherever the bundle keeps it) and written with its
-own new external data file `<graph file>.data`; files other graphs share are left as they are.
+The graph is read as a skeleton (weight_stream.load_skeleton: external data read from wherever the bundle keeps
+it, one weight at a time) and written with its own new external data file `<graph file>.data`; files other graphs
+share are left as they are.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 from onnxruntime.capi import _pybind_state as ort_kernels
 
 from dspark.bundle import WEIGHTS, Manifest, sha256_file
@@ -31,7 +32,7 @@ from dspark.export.quantize.agreement import measure_agreement
 from dspark.export.quantize.gguf_blocks import Q4_1_MODES, NBitsWeight, read_matrices, to_nbits
 from dspark.export.quantize.gguf_map import match_weights
 from dspark.export.quantize.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
-from dspark.export.quantize.weight_stream import DataSink, StoredWeights, compact
+from dspark.export.quantize.weight_stream import DataSink, StoredWeights, compact, load_skeleton
 from dspark.export.twins.ort_fused import forget_step_costs
 from dspark.export.twins.ort_graphs import rebuild_twins
 from dspark.files import atomic_folder, linked_copy, normal_mode
@@ -126,7 +127,8 @@ def _gguf_blocks(writer: NBitsWriter, weights: list[ConstWeight], path: Path, vo
         probe = nbits.window(PROBE_ROWS, PROBE_COLS)  # what the kernel multiplies by, on a window
         diff = float(abs(probe_weight(probe) - want[:probe.rows, :probe.cols]).max())
         worst[m.matrix.qtype] = max(worst.get(m.matrix.qtype, 0.0), diff)
-        writer.replace(m.weight.node, nbits, _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab, fused))
+        level = _level(opts, "verifier", nbits.bits, m.weight.shape[1] == vocab, fused)
+        writer.replace(m.weight.node, nbits, level, m.weight.key)
     formats = Counter(m.matrix.qtype for m in matches)
     return {"gguf": str(path), "formats": dict(sorted(formats.items())),
             "q4_1": opts.q4_1 if "Q4_1" in formats else None,
@@ -156,7 +158,7 @@ def _ort_quantize(writer: NBitsWriter, weights: list[ConstWeight], vocab: int, g
         head = w.shape[1] == vocab
         bits = opts.head_bits if head else opts.bits
         level = _level(opts, graph, bits, head, fused)
-        writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level)
+        writer.replace(w.node, _round_to_nearest(w.weight, bits, opts.block_size, opts.symmetric), level, w.key)
         kinds[(bits, level)] += 1
     return {"matmuls": {f"{bits}-bit, accuracy_level {level}": count for (bits, level), count in sorted(kinds.items())}}
 
@@ -167,14 +169,11 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     it is made. Returns the graph's record."""
     spec = manifest.graphs[graph]
     source = Manifest.path(bundle, spec.file)
-    try:
-        model = onnx.load(str(source), load_external_data=False)
-    except Exception as e:  # protobuf errors
-        raise DSparkError(f"cannot read {source}: {str(e).splitlines()[0][:200]}") from None
+    model = load_skeleton(source)
     minimum = MIN_ELEMENTS[graph] if opts.min_elements is None else opts.min_elements
     stored = StoredWeights(source.parent)
     weights = constant_matmul_weights(model, minimum, stored)
-    _name_by_weight(weights)
+    _key_by_weight(weights)
     if not weights:
         raise DSparkError(f"{graph}.onnx has no MatMul with a weight of at least {minimum} elements to quantize")
     record = {"op": "MatMulNBits", "bits": opts.bits, "head_bits": opts.head_bits, "block_size": opts.block_size,
@@ -194,15 +193,15 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
             record["onnxruntime_quantizer"] = _ort_quantize(writer, weights, vocab, graph, opts, fused)
         writer.apply()
         written = set(writer.written)
-        for init in model.graph.initializer:  # the weights left as they were: into the new data file
-            if init.name not in written:
-                sink.adopt(init, stored)
+        for value in model.graph.initializers.values():  # the weights left as they were: into the new data file
+            if value.name not in written:
+                sink.adopt(value, stored)
     finally:
         sink.close()
-    onnx.save(model, str(target))
+    ir.save(model, target)
     for path in (target, sink.path):
         normal_mode(path)
-    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    nbits = [n for n in model.graph if n.op_type == "MatMulNBits"]
     kinds = Counter(_kind(n) for n in nbits)
     record["matmulnbits"] = dict(sorted(kinds.items()))
     # what the layers (all but the vocabulary-sized head) do with their activations: dspark.bundle's
@@ -213,23 +212,24 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
     return record
 
 
-def _name_by_weight(weights: list[ConstWeight]) -> None:
-    """Name each MatMul after its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
-    the MatMulNBits nodes replacing them keep the name, which is how dspark.export.twins.ort_fused finds projections."""
+def _key_by_weight(weights: list[ConstWeight]) -> None:
+    """Key each MatMul by its weight's initializer (a module path such as target.layers.3.mlp.up_proj.weight.T):
+    the tensors of the MatMulNBits replacing it are named after the key (<key>.nbits.B, ...), which is how
+    dspark.export.twins.ort_fused finds projections."""
     taken: set[str] = set()
     for w in weights:
-        name = f"{w.source}.matmul"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        w.node.name = name
+        key = f"{w.source}.matmul"
+        while key in taken:
+            key += "_"
+        taken.add(key)
+        w.key = key
 
 
-def _attr(node: onnx.NodeProto, name: str) -> int:
-    return next((a.i for a in node.attribute if a.name == name), 0)
+def _attr(node: ir.Node, name: str) -> int:
+    return node.attributes.get_int(name, 0)
 
 
-def _kind(node: onnx.NodeProto) -> str:
+def _kind(node: ir.Node) -> str:
     return f"{_attr(node, 'bits')}-bit, accuracy_level {_attr(node, 'accuracy_level')}"
 
 
@@ -279,14 +279,14 @@ def relevel_bundle(bundle: Path, manifest: Manifest, graphs: list[str], opts: Qu
         records = {}
         for graph in graphs:
             path = Manifest.path(staging, manifest.graphs[graph].file)
-            model = onnx.load(str(path), load_external_data=False)
-            nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+            model = load_skeleton(path)
+            nbits = [n for n in model.graph if n.op_type == "MatMulNBits"]
             for node in nbits:
                 level = opts.head_accuracy_level if _attr(node, "N") == vocab else opts.accuracy_level
                 if level is not None:
-                    _set_level(node, level)
+                    node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
             path.unlink()  # a hard link to the old bundle's file: unlinked, never written
-            onnx.save(model, str(path))
+            ir.save(model, path)
             normal_mode(path)
             manifest.graphs[graph].sha256 = sha256_file(path)
             record = dict(manifest.quantized[graph])
@@ -301,14 +301,6 @@ def relevel_bundle(bundle: Path, manifest: Manifest, graphs: list[str], opts: Qu
         rebuild_twins(staging, manifest, graphs)
         manifest.write(staging)
     return records
-
-
-def _set_level(node: onnx.NodeProto, level: int) -> None:
-    for a in node.attribute:
-        if a.name == "accuracy_level":
-            a.i = level
-            return
-    node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
 
 
 def _drop_unread_weights(staging: Path, manifest: Manifest) -> None:

@@ -1,9 +1,9 @@
 """Reading and writing a graph's initializers one at a time, so that rewriting a real-size graph holds one weight
 in memory, not the model.
 
-A graph is loaded as a skeleton (onnx.load without external data: every big initializer is a reference into a data
-file). `StoredWeights` reads one initializer as a NumPy array (a memory map of its bytes when external), and
-`DataSink` appends arrays to a new data file and returns initializers that point into it; `DataSink.adopt` moves an
+A graph is loaded as a skeleton (load_skeleton: every big initializer stays an onnx_ir ExternalTensor, a reference
+into a data file). `StoredWeights` reads one initializer as a NumPy array (a memory map of its bytes when external),
+and `DataSink` appends arrays to a new data file and returns tensors that point into it; `DataSink.adopt` moves an
 existing external initializer into the new file by copying its bytes in chunks.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx  # the file's proto for load_skeleton (see there)
+import onnx_ir as ir
 
 from dspark.errors import DSparkError
 
@@ -21,22 +21,33 @@ INLINE_BYTES = 1024  # smaller tensors stay in the graph's proto (ONNX Runtime r
 COPY_CHUNK = 64 << 20
 
 
-def _external(init: onnx.TensorProto) -> dict[str, str] | None:
-    if init.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    return {kv.key: kv.value for kv in init.external_data}
+def load_skeleton(path: Path) -> ir.Model:
+    """A graph without its external weights (they stay where they are: ExternalTensors, read only when asked for);
+    one line if it is not ONNX.
+
+    An initializer the file gives no value info keeps none. ir.load gives every initializer its tensor's type and
+    shape, so a graph written back would describe each in its value_info, and a graph rewritten here would not be
+    the file it was before but for the rewrite. Which ones the file describes is only in its proto: it is read with
+    onnx (as ir.load itself does) and deserialized by onnx_ir."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # protobuf errors
+        raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    ir.external_data.set_base_dir(model.graph, Path(path).parent)
+    described = {v.name for v in proto.graph.value_info}
+    for value in model.graph.initializers.values():
+        if value.name not in described and not value.is_graph_input():
+            value.type, value.shape = None, None
+    return model
 
 
-def _dtype(init: onnx.TensorProto) -> np.dtype:
-    return np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
-
-
-def _span(init: onnx.TensorProto, ext: dict[str, str]) -> tuple[int, int]:
-    """(offset, length) of an external initializer's bytes (length from its shape when the entry has none)."""
-    length = ext.get("length")
+def _span(tensor: ir.ExternalTensor) -> tuple[int, int]:
+    """(offset, length) of an external tensor's bytes (length from its shape when the entry has none)."""
+    length = tensor.length
     if length is None:
-        length = int(np.prod(init.dims, dtype=np.int64)) * _dtype(init).itemsize
-    return int(ext.get("offset", 0)), int(length)
+        length = int(np.prod(tensor.shape.numpy(), dtype=np.int64)) * tensor.dtype.itemsize
+    return int(tensor.offset or 0), int(length)
 
 
 class StoredWeights:
@@ -45,24 +56,24 @@ class StoredWeights:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
 
-    def data_file(self, init: onnx.TensorProto) -> Path:
-        ext = _external(init)
-        where = (self.folder / ext["location"]).resolve()
+    def data_file(self, value: ir.Value) -> Path:
+        where = (self.folder / value.const_value.location).resolve()
         if self.folder.resolve() not in where.parents:
-            raise DSparkError(f"initializer {init.name}: its data file {ext['location']!r} is outside the bundle")
+            raise DSparkError(f"initializer {value.name}: its data file {value.const_value.location!r} is outside "
+                              f"the bundle")
         return where
 
-    def array(self, init: onnx.TensorProto) -> np.ndarray:
+    def array(self, value: ir.Value) -> np.ndarray:
         """The initializer's value (a read-only memory map for external data: nothing is read until used)."""
-        ext = _external(init)
-        if ext is None:
-            return numpy_helper.to_array(init)
-        dtype, shape = _dtype(init), tuple(init.dims)
+        tensor = value.const_value
+        if not isinstance(tensor, ir.ExternalTensor):
+            return tensor.numpy()
+        dtype, shape = tensor.dtype.numpy(), tuple(tensor.shape.numpy())
         count = int(np.prod(shape)) if shape else 1
-        offset, length = _span(init, ext)
-        path = self.data_file(init)
+        offset, length = _span(tensor)
+        path = self.data_file(value)
         if length != count * dtype.itemsize or offset + length > path.stat().st_size:
-            raise DSparkError(f"initializer {init.name}: {length} bytes at {offset} of {path.name} do not hold "
+            raise DSparkError(f"initializer {value.name}: {length} bytes at {offset} of {path.name} do not hold "
                               f"{shape} {dtype}")
         if count == 0:
             return np.zeros(shape, dtype)
@@ -88,39 +99,37 @@ class DataSink:
             self.size += pad
         return self.size
 
-    def point(self, init: onnx.TensorProto, offset: int, length: int) -> onnx.TensorProto:
-        """Make `init` a reference to `length` bytes at `offset` of this file (compact re-points graphs too)."""
-        init.ClearField("raw_data")
-        del init.external_data[:]
-        init.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(length))):
-            init.external_data.add(key=key, value=value)
-        return init
+    def point(self, value: ir.Value, offset: int, length: int) -> None:
+        """Make the initializer `value` a reference to `length` bytes at `offset` of this file (compact re-points
+        graphs too)."""
+        value.const_value = self._tensor(value.name, value.const_value.dtype, value.const_value.shape.numpy(),
+                                         offset, length)
 
-    def add(self, array: np.ndarray, name: str) -> onnx.TensorProto:
-        """An initializer holding `array`, its bytes in this file (in the proto when small)."""
+    def _tensor(self, name: str, dtype: ir.DataType, shape, offset: int, length: int) -> ir.ExternalTensor:
+        return ir.ExternalTensor(self.location, offset, length, dtype, shape=ir.Shape(list(shape)), name=name,
+                                 base_dir=self.folder)
+
+    def add(self, array: np.ndarray, name: str) -> ir.TensorProtocol:
+        """A tensor holding `array`, its bytes in this file (in the proto when small)."""
         array = np.ascontiguousarray(array)
         if array.nbytes < INLINE_BYTES:
-            return numpy_helper.from_array(array, name)
+            return ir.tensor(array, name=name)
         offset = self._reserve()
         data = memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
         self.file.write(data)
         self.size += array.nbytes
-        init = onnx.TensorProto(name=name, dims=list(array.shape),
-                                data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        return self.point(init, offset, array.nbytes)
+        return self._tensor(name, ir.DataType.from_numpy(array.dtype), array.shape, offset, array.nbytes)
 
-    def adopt(self, init: onnx.TensorProto, stored: StoredWeights) -> None:
-        """Point an initializer of the skeleton at this file, copying its external bytes (in place)."""
-        ext = _external(init)
-        if ext is None:
+    def adopt(self, value: ir.Value, stored: StoredWeights) -> None:
+        """Point an initializer of the skeleton at this file, copying its external bytes."""
+        if not isinstance(value.const_value, ir.ExternalTensor):
             return
-        source, (offset, length) = stored.data_file(init), _span(init, ext)
+        source, (offset, length) = stored.data_file(value), _span(value.const_value)
         if length < INLINE_BYTES:
-            init.CopyFrom(numpy_helper.from_array(np.array(stored.array(init)), init.name))
+            value.const_value = ir.tensor(np.array(stored.array(value)), name=value.name)
             return
         with open(source, "rb") as f:
-            self.point(init, self.copy(f, offset, length), length)
+            self.point(value, self.copy(f, offset, length), length)
 
     def copy(self, f, offset: int, length: int) -> int:
         """Append `length` bytes of the open file f from `offset`, in chunks; returns where they now start."""
@@ -140,7 +149,6 @@ class DataSink:
         self.file.close()
 
 
-
 def compact(folder: Path, graphs: dict[str, Path], location: str, slack: int = 64 << 20) -> int:
     """Rewrite the shared data file `location` of a bundle folder with only the byte ranges its graphs still read
     (after quantizing, the shared file keeps every original weight the quantized graphs no longer read), and point
@@ -150,15 +158,15 @@ def compact(folder: Path, graphs: dict[str, Path], location: str, slack: int = 6
     path = folder / location
     if not path.is_file():
         return 0
-    skeletons = {g: onnx.load(str(p), load_external_data=False) for g, p in graphs.items()}
-    readers: dict[str, list[onnx.TensorProto]] = {}
+    skeletons = {g: load_skeleton(p) for g, p in graphs.items()}
+    readers: dict[str, list[ir.Value]] = {}
     ranges: set[tuple[int, int]] = set()
     for g, model in skeletons.items():
-        for init in model.graph.initializer:
-            ext = _external(init)
-            if ext is not None and ext["location"] == location:
-                readers.setdefault(g, []).append(init)
-                ranges.add(_span(init, ext))
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location == location:
+                readers.setdefault(g, []).append(value)
+                ranges.add(_span(tensor))
     size = path.stat().st_size
     if size - sum(length for _, length in ranges) < slack:
         return 0
@@ -169,11 +177,11 @@ def compact(folder: Path, graphs: dict[str, Path], location: str, slack: int = 6
             moved = {r: sink.copy(f, *r) for r in sorted(ranges)}
     finally:
         sink.close()
-    for g, inits in readers.items():
-        for init in inits:
-            span = _span(init, _external(init))
-            sink.point(init, moved[span], span[1])
+    for g, values in readers.items():
+        for value in values:
+            span = _span(value.const_value)
+            sink.point(value, moved[span], span[1])
         graphs[g].unlink()  # (a hard link: replaced, not written)
-        onnx.save(skeletons[g], str(graphs[g]))
+        ir.save(skeletons[g], graphs[g])
     fresh.replace(path)
     return size - sink.size

@@ -20,6 +20,7 @@ from dspark.export.check.parity import record_check_data
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
                                   VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
+from dspark.export.trace.naming import name_nodes
 from dspark.export.trace.passes import optimize_graph
 from dspark.export.trace.progress import Background, Progress
 from dspark.export.trace.weight_passes import bind_weights, fold_transposes_lazily, place_weights, store_low_precision
@@ -158,7 +159,8 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
                  precision: str = "fp32", stamp: bool = True) -> GraphSpec:
     """Trace one graph on the meta device (with `stamp`, its identical layers as one traced layer stamped once per
     layer), bind its weights (read when written), attach the dspark function bodies, store the weights in `store`
-    (by default, a data file of this graph's own) and save the graph file."""
+    (by default, a data file of this graph's own), name the nodes by where they belong (naming) and save the graph
+    file."""
     if store is None:
         with WeightStore(path.parent, f"{path.name}.data") as own:
             return export_graph(ex, path, own, lazy, precision, stamp)
@@ -184,6 +186,7 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
     optimize_graph(model)
     store_low_precision(model, precision)
     place_weights(model, store)
+    name_nodes(model, path.stem)
     ir.save(model, str(path))
     out_axes = _output_axes(ex)
     return GraphSpec(

@@ -37,7 +37,8 @@ def share_dim_sizes(model: ir.Model) -> int:
             continue
         if dim.value not in shared:
             value, axis = source[dim.value]
-            first = ir.node("Shape", [value], attributes={"start": axis, "end": axis + 1})
+            first = ir.node("Shape", [value], attributes={"start": axis, "end": axis + 1},
+                            name=f"dims/{dim.value}/Shape")
             first.outputs[0].shape, first.outputs[0].type = ir.Shape([1]), ir.TensorType(ir.DataType.INT64)
             graph.insert_before(next(iter(graph)), first)
             shared[dim.value] = first.outputs[0]
@@ -107,18 +108,18 @@ def cast_matmuls(model: ir.Model, dtype: str) -> int:
                            const_value=ir.tensor(weight.const_value.numpy().astype(np_type),
                                                  name=f"{weight.name}.{dtype}"))
             graph.register_initializer(low)
-        cast_in = ir.node("Cast", [node.inputs[0]], attributes={"to": elem})
+        cast_in = ir.node("Cast", [node.inputs[0]], attributes={"to": elem}, name=f"{node.name}/cast_in")
         graph.insert_before(node, cast_in)
         node.replace_input_with(0, cast_in.outputs[0])
         node.replace_input_with(1, low)
         if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
             bias = node.inputs[2]
-            cast_bias = ir.node("Cast", [bias], attributes={"to": elem})
+            cast_bias = ir.node("Cast", [bias], attributes={"to": elem}, name=f"{node.name}/cast_bias")
             graph.insert_before(node, cast_bias)
             node.replace_input_with(2, cast_bias.outputs[0])
         out = node.outputs[0]
         out.type = ir.TensorType(elem)
-        cast_out = ir.node("Cast", [out], attributes={"to": ir.DataType.FLOAT})
+        cast_out = ir.node("Cast", [out], attributes={"to": ir.DataType.FLOAT}, name=f"{node.name}/cast_out")
         cast_out.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
         cast_out.outputs[0].shape = out.shape
         graph.insert_after(node, cast_out)

@@ -22,94 +22,89 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
 from dspark.bundle import GraphSpec, Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.twins.graph_copy import load_skeleton
+from dspark.export.quantize.weight_stream import load_skeleton
+from dspark.export.twins.graph_copy import take_over
 from dspark.files import normal_mode
 from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS
 
 GREEDY_FILE = "heads_greedy.onnx"
 
 
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+def _keepdims(node: ir.Node) -> int:
+    return node.attributes.get_int("keepdims", 1)
 
 
-def _logits_of_sampler(producer: dict[str, onnx.NodeProto], node: onnx.NodeProto) -> str | None:
+def _logits_of_sampler(node: ir.Node) -> ir.Value | None:
     """For the sampling ArgMax of one draft position (ArgMax(Cast(CumSum(Where(greedy, one_hot, softmax)) >= u)),
     the logits its one-hot is the argmax of; None for any other node."""
-    if node.op_type != "ArgMax" or _attr(node, "keepdims", 1) != 0:
+    if node.op_type != "ArgMax" or _keepdims(node) != 0:
         return None
     chain = []
-    value = node.input[0]
+    value = node.inputs[0]
     for op in ("Cast", "GreaterOrEqual", "CumSum", "Where"):
-        prev = producer.get(value)
+        prev = value.producer()
         if prev is None or prev.op_type != op:
             return None
         chain.append(prev)
-        value = prev.input[0]
-    one_hot = producer.get(chain[-1].input[1])
-    equal = producer.get(one_hot.input[0]) if one_hot is not None and one_hot.op_type == "Cast" else None
+        value = prev.inputs[0]
+    one_hot = chain[-1].inputs[1].producer()
+    equal = one_hot.inputs[0].producer() if one_hot is not None and one_hot.op_type == "Cast" else None
     if equal is None or equal.op_type != "Equal":
         return None
-    argmax = [producer[v] for v in equal.input if v in producer and producer[v].op_type == "ArgMax"]
-    if len(argmax) != 1 or _attr(argmax[0], "keepdims", 1) != 1:
+    argmax = [v.producer() for v in equal.inputs if v.producer() is not None and v.producer().op_type == "ArgMax"]
+    if len(argmax) != 1 or _keepdims(argmax[0]) != 1:
         return None
-    return argmax[0].input[0]
+    return argmax[0].inputs[0]
 
 
-def greedy_heads(model: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
-    """The greedy twin of a heads graph (see the module docstring); `model` is left unchanged."""
-    model = _copy(model)
+def greedy_heads(model: ir.Model, block_size: int) -> ir.Model:
+    """The greedy twin of a heads graph (see the module docstring): `model` (a skeleton read for this) rewritten."""
     graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    nodes, replaced = [], 0
-    for node in graph.node:
-        logits = _logits_of_sampler(producer, node)
-        if logits is None:
-            nodes.append(node)
-            continue
-        nodes.append(helper.make_node("ArgMax", [logits], list(node.output), name=f"{node.name}/greedy", axis=-1,
-                                      keepdims=0))
-        replaced += 1
-    if replaced != block_size:
-        raise DSparkError(f"greedy heads: found {replaced} samplers in the heads graph, expected one per draft "
+    samplers = [(node, logits) for node in graph if (logits := _logits_of_sampler(node)) is not None]
+    if len(samplers) != block_size:
+        raise DSparkError(f"greedy heads: found {len(samplers)} samplers in the heads graph, expected one per draft "
                           f"position ({block_size})")
-    nodes = [_shape_from_hidden(n) if list(n.input) == ["draft_noise"] and n.op_type == "Shape" else n
-             for n in nodes]  # without a confidence head the survival is ones shaped like the noise [B, Bk]
-    outputs = [o for o in graph.output if o.name not in SAMPLING_OUTPUTS]
-    needed = {o.name for o in outputs}
-    live = []
-    for node in reversed(nodes):  # drop what only the sampling outputs needed
-        if any(o in needed for o in node.output):
-            live.append(node)
-            needed.update(i for i in node.input if i)
-            for attr in node.attribute:  # an If/Loop body's outer-scope reads
-                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                    needed.update(i for n in sub.node for i in n.input)
-    live.reverse()
-    inputs = [i for i in graph.input if i.name not in SAMPLING_INPUTS]  # kept even where unused
-    if needed & set(SAMPLING_INPUTS):
-        raise DSparkError(f"greedy heads: the rewritten graph still reads {sorted(needed & set(SAMPLING_INPUTS))}")
-    new = helper.make_graph(live, "heads_greedy", inputs, outputs,
-                            initializer=[t for t in graph.initializer if t.name in needed],
-                            value_info=[v for v in graph.value_info if v.name in needed])
-    model.graph.CopyFrom(new)
+    for node, logits in samplers:
+        _replace(node, ir.node("ArgMax", [logits], {"axis": -1, "keepdims": 0}, name=f"{node.name}/greedy"))
+    hidden = next(v for v in graph.inputs if v.name == "hidden")
+    for node in [n for n in graph if n.op_type == "Shape" and [i.name for i in n.inputs] == ["draft_noise"]]:
+        # without a confidence head the survival is ones shaped like the noise [B, Bk]: Shape(hidden)[:2]
+        _replace(node, ir.node("Shape", [hidden], {"end": 2, "start": 0}, name=f"{node.name}/greedy"))
+    graph.outputs[:] = [o for o in graph.outputs if o.name not in SAMPLING_OUTPUTS]
+    for node in reversed(list(graph)):  # drop what only the sampling outputs needed
+        if not any(_read(o) for o in node.outputs):
+            graph.remove(node, safe=True)
+    read = sorted(v.name for v in graph.inputs if v.name in SAMPLING_INPUTS and v.uses())
+    if read:
+        raise DSparkError(f"greedy heads: the rewritten graph still reads {read}")
+    graph.inputs[:] = [v for v in graph.inputs if v.name not in SAMPLING_INPUTS]  # the others kept even if unused
+    for name, value in list(graph.initializers.items()):
+        if not _read(value):
+            del graph.initializers[name]
+    for node in graph:  # a value nothing reads is not described
+        for value in node.outputs:
+            if not _read(value):
+                value.type, value.shape, value.doc_string = None, None, None
+                value.metadata_props.clear()
+    graph.name, graph.doc_string = "heads_greedy", None
+    graph.metadata_props.clear()  # (torch's record of the export describes the heads graph, not this one)
     return model
 
 
-def _shape_from_hidden(node: onnx.NodeProto) -> onnx.NodeProto:
-    """Shape(draft_noise) -> Shape(hidden)[:2]: both are [B, Bk] (hidden is [B, Bk, d])."""
-    return helper.make_node("Shape", ["hidden"], list(node.output), name=f"{node.name}/greedy", start=0, end=2)
+def _replace(old: ir.Node, new: ir.Node) -> None:
+    """`new` in place of `old`, its outputs under the old outputs' names."""
+    old.graph.insert_before(old, new)
+    for was, now in zip(old.outputs, new.outputs):
+        take_over(was, now)
+    old.graph.remove(old, safe=True)
 
 
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out
+def _read(value: ir.Value) -> bool:
+    return bool(value.uses()) or value.is_graph_output()
 
 
 def greedy_spec(heads: GraphSpec, file: str) -> GraphSpec:
@@ -126,7 +121,7 @@ def add_greedy_heads(folder: Path, manifest: Manifest) -> GraphSpec:
     model = greedy_heads(heads, manifest.block_size)
     target = folder / GREEDY_FILE
     target.unlink(missing_ok=True)  # may be a hard link into another copy of the bundle
-    onnx.save(model, str(target))  # every weight stays where heads.onnx keeps it
+    ir.save(model, target)  # every weight stays where heads.onnx keeps it
     normal_mode(target)
     greedy = greedy_spec(spec, GREEDY_FILE)
     greedy.sha256 = sha256_file(target)

@@ -27,17 +27,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
+import onnx_ir as ir
 
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.graphs import past_names
 from dspark.export.quantize.nbits_graph import resolve
+from dspark.export.quantize.weight_stream import load_skeleton
 from dspark.export.twins.catalog import unfusable
-from dspark.export.twins.fused_lanes import Lanes, lane_inputs, rope_tables
+from dspark.export.twins.fused_lanes import FLOAT, INT32, INT64, Lanes, lane_specs, rope_tables
 from dspark.export.twins.fused_linears import ROLES, Linear, Projections, find_linears
-from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, load_skeleton
+from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, described, write_own_data
 from dspark.files import normal_mode
 
 MS = "com.microsoft"
@@ -46,100 +46,105 @@ TAIL_OUTPUTS = ("accepted", "next_token")
 LANES = 8  # requests a fused step takes at once (more run in groups of LANES)
 
 
-def _norm_parts(g: GraphIndex, value: str) -> tuple[str, str] | None:
+def _norm_parts(g: GraphIndex, value: ir.Value) -> tuple[ir.Value, ir.Value] | None:
     """(gamma, div) when `value` = gamma * (x / Sqrt(ReduceMean(x^2) + eps)), an RMSNorm as exported; else None.
     Norms are found by this shape, not by name: the exporter stores equal weights once (a random model's norm
     weights are all ones), under the first name that had them."""
-    node = g.producer.get(value)
+    node = value.producer()
     if node is None or node.op_type != "Mul":
         return None
-    for gamma, other in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
-        div = g.producer.get(other)
+    for gamma, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        div = other.producer()
         while div is not None and div.op_type == "Cast":
-            div = g.producer.get(div.input[0])
-        if div is not None and div.op_type == "Div" and g.root(gamma) in g.inits:
-            return gamma, div.output[0]
+            div = div.inputs[0].producer()
+        if div is not None and div.op_type == "Div" and g.root(gamma).is_initializer():
+            return gamma, div.outputs[0]
     return None
 
 
-def _eps(g: GraphIndex, div: str) -> float:
+def _eps(g: GraphIndex, div: ir.Value) -> float:
     """epsilon of an RMSNorm: x / Sqrt(ReduceMean(x^2) + eps)."""
-    sqrt = g.producer[g.producer[div].input[1]]
-    add = g.producer[sqrt.input[0]]
-    for i in add.input:
+    sqrt = div.producer().inputs[1].producer()
+    add = sqrt.inputs[0].producer()
+    for i in add.inputs:
         c = g.constant(i)
         if c is not None:
             return float(c.reshape(-1)[0])
     raise DSparkError("fused verifier: cannot read the RMSNorm epsilon from the portable graph")
 
 
-def _final_norm(g: GraphIndex, linears: dict[tuple[int, str], Linear], hidden: int) -> tuple[str, str, str]:
+def _dims(g: GraphIndex, value: ir.Value) -> list[int]:
+    """The shape of the initializer behind `value`."""
+    return list(g.root(value).const_value.shape.numpy())
+
+
+def _final_norm(g: GraphIndex, linears: dict[tuple[int, str], Linear], hidden: int) -> tuple[ir.Value, ...]:
     """(output, gamma, div) of the final norm: the one RMSNorm over the hidden size no projection reads."""
     inputs = {lin.x for lin in linears.values()}
     found = []
-    for node in g.model.graph.node:
-        parts = _norm_parts(g, node.output[0]) if node.op_type == "Mul" else None
-        if parts and node.output[0] not in inputs and list(g.inits[g.root(parts[0])].dims) == [hidden]:
-            found.append((node.output[0], *parts))
+    for node in g.graph:
+        parts = _norm_parts(g, node.outputs[0]) if node.op_type == "Mul" else None
+        if parts and node.outputs[0] not in inputs and _dims(g, parts[0]) == [hidden]:
+            found.append((node.outputs[0], *parts))
     if len(found) != 1:
         raise DSparkError(f"fused verifier: expected one final norm in the portable graph, found {len(found)}")
     return found[0]
 
 
-def _head_norm_gamma(g: GraphIndex, start: str, head_dim: int) -> str:
+def _head_norm_gamma(g: GraphIndex, start: ir.Value, head_dim: int) -> ir.Value:
     """Qwen3: the weight of the per-head RMSNorm applied to a q or k projection's output."""
     frontier, seen = [start], set()
     for _ in range(8):
         nxt = []
         for value in frontier:
-            for node in g.consumers.get(value, []):
-                parts = _norm_parts(g, node.output[0]) if node.op_type == "Mul" else None
-                if parts and list(g.inits[g.root(parts[0])].dims) == [head_dim]:
+            for node in g.consumers(value):
+                parts = _norm_parts(g, node.outputs[0]) if node.op_type == "Mul" else None
+                if parts and _dims(g, parts[0]) == [head_dim]:
                     return parts[0]
-                if node.name not in seen:
-                    seen.add(node.name)
-                    nxt += [o for o in node.output if o]
+                if node not in seen:
+                    seen.add(node)
+                    nxt += [o for o in node.outputs if o.name]
         frontier = nxt
     raise DSparkError("fused verifier: cannot find a Qwen3 q/k norm in the portable graph")
 
 
-def _inv_freq(g: GraphIndex) -> str:
+def _inv_freq(g: GraphIndex) -> ir.Value:
     """RoPE's inverse frequencies: positions * inv_freq -> Concat(freqs, freqs) -> Cos."""
-    cos = next((n for n in g.model.graph.node if n.op_type == "Cos"), None)
-    cat = g.producer.get(cos.input[0]) if cos is not None else None
-    mul = g.producer.get(cat.input[0]) if cat is not None else None
-    for i in (mul.input if mul is not None and mul.op_type == "Mul" else ()):
-        if g.root(i) in g.inits:
+    cos = next((n for n in g.graph if n.op_type == "Cos"), None)
+    cat = cos.inputs[0].producer() if cos is not None else None
+    mul = cat.inputs[0].producer() if cat is not None else None
+    for i in (mul.inputs if mul is not None and mul.op_type == "Mul" else ()):
+        if g.root(i).is_initializer():
             return i
     raise DSparkError("fused verifier: cannot find RoPE's frequencies in the portable graph")
 
 
-def _widened(g: GraphIndex, value: str) -> str:
+def _widened(g: GraphIndex, value: ir.Value) -> ir.Value:
     """The value as float32: the Cast a bf16/fp16 bundle applies right after (an embedding lookup's rows)."""
-    for node in g.consumers.get(value, []):
-        if node.op_type == "Cast" and next(a.i for a in node.attribute if a.name == "to") == TensorProto.FLOAT:
-            return node.output[0]
+    for node in g.consumers(value):
+        if node.op_type == "Cast" and node.attributes.get_int("to") == FLOAT:
+            return node.outputs[0]
     return value
 
 
-def _weight(b: GraphBuilder, value: str) -> str:
+def _weight(b: GraphBuilder, value: ir.Value) -> ir.Value:
     """A constant of the portable graph (its pass-through chain copied), as float32."""
     new = b.copy(value, {}, "weights")
-    root, chain = resolve(value, b.g.producer, b.g.inits)
-    if b.g.inits[root].data_type == TensorProto.FLOAT and not any(n.op_type == "Cast" for n in chain):
+    root, chain = resolve(value)
+    if root.const_value.dtype == FLOAT and not any(n.op_type == "Cast" for n in chain):
         return new
-    return b.add("Cast", [new], to=TensorProto.FLOAT)[0]
+    return b.add("Cast", [new], to=FLOAT)[0]
 
 
-def _layer_norm_gamma(g: GraphIndex, lin: Linear) -> str:
+def _layer_norm_gamma(g: GraphIndex, lin: Linear) -> ir.Value:
     parts = _norm_parts(g, lin.x)
     if parts is None:
         raise DSparkError("fused verifier: a layer's projections do not read an RMSNorm in the portable graph")
     return parts[0]
 
 
-def fuse_verifier(model: onnx.ModelProto, target: dict, tap_ids: list[int], folder: Path | None = None,
-                  lanes: int = LANES) -> onnx.ModelProto:
+def fuse_verifier(model: ir.Model, target: dict, tap_ids: list[int], folder: Path | None = None,
+                  lanes: int = LANES) -> ir.Model:
     """The fused twin of a portable verifier (a skeleton whose external data lives in `folder`): it refers to the
     portable graph's weights where it multiplies by them as they are, and holds new initializers only for
     concatenated MatMulNBits projections. lanes: requests whose attention a step runs one by one (1: the graph
@@ -148,7 +153,7 @@ def fuse_verifier(model: onnx.ModelProto, target: dict, tap_ids: list[int], fold
 
 
 class _FusedVerifier:
-    def __init__(self, model: onnx.ModelProto, target: dict, folder: Path | None, lanes: int):
+    def __init__(self, model: ir.Model, target: dict, folder: Path | None, lanes: int):
         self.model, self.g = model, GraphIndex(model)
         self.layers, self.kv_heads, self.hd = target["num_layers"], target["num_kv_heads"], target["head_dim"]
         if unfusable(target):
@@ -162,38 +167,60 @@ class _FusedVerifier:
         self.eps = _eps(self.g, norm_div)
         self.qk_norm = target.get("family") == "qwen3"
         self.b = GraphBuilder(self.g)
-        self.rows = _PadToTwo(self.b)
+        self.lane_past, self.lane_present = lane_specs(lanes, self.layers, self.kv_heads, self.hd)
+        for name, shape in self.lane_past:
+            self.b.input(name, shape)
+        with self.b.scope("pad"):
+            self.rows = _PadToTwo(self.b)
         self.proj = Projections(self.b, self.linears, folder)
-        self.lane_count = lanes
         self.gqa = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
                     "do_rotary": 1, "rotary_interleaved": 0, "scale": float(self.hd) ** -0.5}
-        self.lanes = Lanes(self.b, lanes, self.rows.positions, self.gqa) if lanes > 1 else None
+        with self.b.scope("lanes"):
+            self.lanes = Lanes(self.b, lanes, self.rows.positions, self.gqa) if lanes > 1 else None
 
-    def build(self, tap_ids: list[int]) -> onnx.ModelProto:
-        b = self.b
-        embed = next((n for n in self.model.graph.node if n.op_type == "Gather" and n.input[1] == "tokens"), None)
+    def build(self, tap_ids: list[int]) -> ir.Model:
+        b, g = self.b, self.g
+        embed = next((n for n in g.graph if n.op_type == "Gather" and n.inputs[1].name == "tokens"), None)
         if embed is None:
             raise DSparkError("fused verifier: the portable graph has no embedding lookup")
-        x = b.copy(_widened(self.g, embed.output[0]), {}, "embed")
-        self.attention_inputs = self._lengths_and_rope()
+        x = b.copy(_widened(g, embed.outputs[0]), {}, "embed")
+        with b.scope("positions"):
+            self.attention_inputs = self._lengths_and_rope()
         taps = {-1: x} if -1 in tap_ids else {}
         residual, update = x, None
         for i in range(self.layers):
             layer_input, residual, update = self._layer(i, residual, update)
             if i - 1 in tap_ids:  # layer i - 1's output is what layer i's fused norm adds up
                 taps[i - 1] = layer_input
-        hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4, MS,
-                       epsilon=self.eps)[0]
+        with b.scope("norm"):
+            hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4,
+                           MS, epsilon=self.eps)[0]
         for o in TAIL_OUTPUTS:
-            b.add("Identity", [b.copy(o, {self.norm_out: hidden}, "tail")], names=[o])
+            tail = b.copy(g.values[o], {self.norm_out: hidden}, "tail")
+            with b.scope("outputs"):
+                b.add("Identity", [tail], names=[o])
         tap_values = [taps[t] for t in tap_ids]
-        b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
-              **({"axis": -1} if len(tap_values) > 1 else {}))
-        presents = [f"present.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
-        lane_past, lane_present = lane_inputs(self.lane_count, self.layers, self.kv_heads, self.hd)
-        return _model(self.model, b, presents, self.hd, self.kv_heads, lane_past, lane_present)
+        with b.scope("outputs"):
+            b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
+                  **({"axis": -1} if len(tap_values) > 1 else {}))
+        return self._model()
 
-    def _lengths_and_rope(self) -> tuple[str, str, str, str]:
+    def _model(self) -> ir.Model:
+        """The new graph: the portable verifier's inputs and lanes 1..'s caches; accepted, next_token, taps as the
+        portable verifier has them, then every cache's present.*."""
+        b, old = self.b, self.model
+        outputs = [described(b.named[name], self.g.values[name]) for name in (*TAIL_OUTPUTS, "taps")]
+        presents = [(f"present.{i}.{kind}", ["batch", self.kv_heads, "present", self.hd])
+                    for i in range(self.layers) for kind in ("key", "value")]
+        for name, shape in presents + self.lane_present:
+            value = b.named[name]
+            value.type, value.shape = ir.TensorType(FLOAT), ir.Shape(shape)
+            outputs.append(value)
+        graph = ir.Graph(list(b.inputs.values()), outputs, nodes=b.nodes, initializers=list(b.inits.values()),
+                         name="verifier_fused", opset_imports={**old.opset_imports, MS: 1})
+        return ir.Model(graph, ir_version=old.ir_version)
+
+    def _lengths_and_rope(self) -> tuple[ir.Value, ...]:
         """seqlens_k (each request's last position), total_sequence_length and the RoPE tables up to it, all
         counting the padding row (_PadToTwo)."""
         b, rows = self.b, self.rows
@@ -202,58 +229,66 @@ class _FusedVerifier:
             return self.lanes.lengths_and_rope(inv_freq)
         s_len = rows.positions
         one = b.const(np.array([1], np.int64), "one")
-        past_len = b.add("ReduceSum", ["past_mask", one], keepdims=0)[0]
+        past_len = b.add("ReduceSum", [b.input("past_mask"), one], keepdims=0)[0]
         longest_past = b.add("ReduceMax", [past_len], keepdims=1)[0]
         rows.decide(b.add("Add", [longest_past, s_len])[0])
         width = b.add("Add", [s_len, rows.pad])[0]  # the rows attention runs on
         last = b.add("Sub", [b.add("Add", [past_len, width])[0], one])[0]
-        seqlens = b.add("Cast", [last], to=TensorProto.INT32)[0]
+        seqlens = b.add("Cast", [last], to=INT32)[0]
         total = b.add("Squeeze", [b.add("Add", [longest_past, width])[0]])[0]
-        return seqlens, b.add("Cast", [total], to=TensorProto.INT32)[0], *rope_tables(b, total, inv_freq)
+        return seqlens, b.add("Cast", [total], to=INT32)[0], *rope_tables(b, total, inv_freq)
 
-    def _layer(self, i: int, residual: str, update: str | None) -> tuple[str, str, str]:
+    def _layer(self, i: int, residual: ir.Value, update: ir.Value | None) -> tuple[ir.Value, ir.Value, ir.Value]:
         """Decoder layer i on the residual stream (plus the previous layer's update, added by the fused norm);
         returns (its input: the previous layer's output, the stream after its attention, its MLP's update)."""
         b, proj, eps = self.b, self.proj, self.eps
-        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "q_proj")]))
-        if update is None:
-            h = b.add("SimplifiedLayerNormalization", [residual, gamma], axis=-1, epsilon=eps)[0]
-        else:
-            h, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [update, residual, gamma], 4, MS,
-                                      epsilon=eps)
-        layer_input = residual
-        qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
-        if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
-            q, k, v = qkv, "", ""
-        else:
-            q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
-            if self.qk_norm:
-                q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
-        attn = self._attention(i, q, k, v)
-        o, = proj(i, ("o_proj",), attn)
-        gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
-        h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS, epsilon=eps)
-        gate, up = proj(i, ("gate_proj", "up_proj"), h2)
-        act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
-        return layer_input, residual, proj(i, ("down_proj",), act)[0]
+        with b.scope(f"layers.{i}"):
+            with b.scope("input_norm"):
+                gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "q_proj")]))
+                if update is None:
+                    h = b.add("SimplifiedLayerNormalization", [residual, gamma], axis=-1, epsilon=eps)[0]
+                else:
+                    h, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [update, residual, gamma], 4,
+                                              MS, epsilon=eps)
+            layer_input = residual
+            qkv = None if self.qk_norm else proj.packed(i, ("q_proj", "k_proj", "v_proj"), h)
+            if qkv is not None:  # GroupQueryAttention takes q, k and v packed in one tensor
+                q, k, v = qkv, None, None
+            else:
+                q, k, v = proj(i, ("q_proj", "k_proj", "v_proj"), h)
+                if self.qk_norm:
+                    q, k = self._head_norm(q, i, "q_proj"), self._head_norm(k, i, "k_proj")
+            with b.scope("attn"):
+                attn = self._attention(i, q, k, v)
+            o, = proj(i, ("o_proj",), attn)
+            with b.scope("post_attention_norm"):
+                gamma = _weight(b, _layer_norm_gamma(self.g, self.linears[(i, "gate_proj")]))
+                h2, _, _, residual = b.add("SkipSimplifiedLayerNormalization", [o, residual, gamma], 4, MS,
+                                           epsilon=eps)
+            gate, up = proj(i, ("gate_proj", "up_proj"), h2)
+            with b.scope("mlp"):
+                act = b.add("Mul", [b.add("Mul", [gate, b.add("Sigmoid", [gate])[0]])[0], up])[0]
+            return layer_input, residual, proj(i, ("down_proj",), act)[0]
 
-    def _attention(self, i: int, q: str, k: str, v: str) -> str:
-        """Layer i's attention of q/k/v [batch, positions, *] (k and v empty when q packs the three)."""
+    def _attention(self, i: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None) -> ir.Value:
+        """Layer i's attention of q/k/v [batch, positions, *] (k and v None when q packs the three)."""
         if self.lanes is not None:
             return self.lanes.attention(i, q, k, v)
         b = self.b
-        q, k, v = (self.rows.padded(t) if t else "" for t in (q, k, v))
-        attn = b.add("GroupQueryAttention", [q, k, v, f"past.{i}.key", f"past.{i}.value", *self.attention_inputs],
-                     3, MS, names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"], **self.gqa)[0]
+        q, k, v = (self.rows.padded(t) if t else None for t in (q, k, v))
+        past = [b.input(f"past.{i}.key"), b.input(f"past.{i}.value")]
+        attn = b.add("GroupQueryAttention", [q, k, v, *past, *self.attention_inputs], 3, MS,
+                     names=[b.name("attn"), f"present.{i}.key", f"present.{i}.value"], **self.gqa)[0]
         return self.rows.cut(attn)
 
-    def _head_norm(self, v: str, i: int, role: str) -> str:
+    def _head_norm(self, v: ir.Value, i: int, role: str) -> ir.Value:
         """Qwen3's per-head RMSNorm of q and k."""
         b, hd = self.b, self.hd
-        gamma = _weight(b, _head_norm_gamma(self.g, self.linears[(i, role)].y, hd))
-        shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
-        normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
-        return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
+        with b.scope(role.replace("_proj", "_norm")):
+            gamma = _weight(b, _head_norm_gamma(self.g, self.linears[(i, role)].y, hd))
+            shaped = b.add("Reshape", [v, b.const(np.array([0, 0, -1, hd], np.int64), "heads")])[0]
+            normed = b.add("SimplifiedLayerNormalization", [shaped, gamma], axis=-1, epsilon=self.eps)[0]
+            return b.add("Reshape", [normed, b.const(np.array([0, 0, -1], np.int64), "flat")])[0]
 
 
 class _PadToTwo:
@@ -276,43 +311,33 @@ class _PadToTwo:
 
     def __init__(self, b: GraphBuilder):
         self.b = b
-        self.positions = b.add("Shape", ["tokens"], start=1, end=2)[0]
+        self.positions = b.add("Shape", [b.input("tokens")], start=1, end=2)[0]
         self.zero, self.one = b.const(np.array([0], np.int64), "zero"), b.const(np.array([1], np.int64), "one")
-        self.pad = ""  # [1]: 1 where the step is padded, else 0 (set by decide)
+        self.pad: ir.Value | None = None  # [1]: 1 where the step is padded, else 0 (set by decide)
 
-    def decide(self, total: str) -> None:
+    def decide(self, total: ir.Value) -> None:
         """total: [1] the step's last position + 1 over the batch, without the pad."""
+        with self.b.scope("pad"):
+            self._decide(total)
+
+    def _decide(self, total: ir.Value) -> None:
         b = self.b
-        single = b.add("Equal", [b.add("Shape", ["tokens"], start=0, end=1)[0], self.one])[0]
-        cache = b.add("Shape", ["past.0.key"], start=2, end=3)[0]  # 0: a prefill, whose present.* ONNX Runtime sizes
+        single = b.add("Equal", [b.add("Shape", [b.input("tokens")], start=0, end=1)[0], self.one])[0]
+        # 0: a prefill, whose present.* ONNX Runtime sizes
+        cache = b.add("Shape", [b.input("past.0.key")], start=2, end=3)[0]
         fits = b.add("Less", [total, cache])[0]
         prefill = b.add("Equal", [cache, self.zero])[0]
         room = b.add("Or", [fits, prefill])[0]
-        self.pad = b.add("Cast", [b.add("And", [single, room])[0]], to=TensorProto.INT64)[0]
+        self.pad = b.add("Cast", [b.add("And", [single, room])[0]], to=INT64)[0]
         self.last = b.add("Sub", [self.positions, self.one])[0]
         self.last_end = b.add("Add", [self.last, self.pad])[0]
 
-    def padded(self, value: str) -> str:
+    def padded(self, value: ir.Value) -> ir.Value:
         extra = self.b.add("Slice", [value, self.last, self.last_end, self.one])[0]  # axis 1: the positions
         return self.b.add("Concat", [value, extra], axis=1)[0]
 
-    def cut(self, value: str) -> str:
+    def cut(self, value: ir.Value) -> ir.Value:
         return self.b.add("Slice", [value, self.zero, self.positions, self.one])[0]
-
-
-def _model(old: onnx.ModelProto, b: GraphBuilder, presents: list[str], hd: int, kv_heads: int, lane_past: list,
-           lane_present: list) -> onnx.ModelProto:
-    outputs = {o.name: o for o in old.graph.output}
-    new_outputs = [outputs[name] for name in (*TAIL_OUTPUTS, "taps")]
-    for name in presents:
-        new_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", kv_heads, "present", hd]))
-    graph = helper.make_graph(b.nodes, "verifier_fused", [*old.graph.input, *lane_past], new_outputs + lane_present,
-                              initializer=list(b.inits.values()))
-    opsets = {o.domain: o.version for o in old.opset_import}
-    opsets[MS] = 1
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
-    model.ir_version = old.ir_version
-    return model
 
 
 def default_lanes(manifest: Manifest) -> int:
@@ -330,9 +355,8 @@ def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: i
     outputs = [t for t in portable.outputs if t.name != "new_kv"]
     outputs += [TensorSpec(name.replace("past", "present", 1), "float32", ["batch", kv_heads, "present", hd])
                 for name in past_names("past", layers)]
-    lane_past, lane_present = lane_inputs(lanes, layers, kv_heads, hd)
-    as_specs = [[TensorSpec(v.name, "float32", [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim])
-                 for v in infos] for infos in (lane_past, lane_present)]
+    as_specs = [[TensorSpec(name, "float32", shape) for name, shape in specs]
+                for specs in lane_specs(lanes, layers, kv_heads, hd)]
     return GraphSpec(file=file, inputs=list(portable.inputs) + as_specs[0], outputs=outputs + as_specs[1])
 
 
@@ -353,8 +377,8 @@ def add_fused_verifier(folder: Path, manifest: Manifest, lanes: int | None = Non
     model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent, lanes)
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
         (folder / name).unlink(missing_ok=True)  # may be a hard link into another copy of the bundle
-    onnx.save(model, str(folder / FUSED_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{FUSED_FILE}.data", size_threshold=1024)  # only its new (concatenated) weights
+    write_own_data(model, folder, f"{FUSED_FILE}.data")  # its new (concatenated) weights, mostly
+    ir.save(model, folder / FUSED_FILE)
     for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
         if (folder / name).exists():
             normal_mode(folder / name)
