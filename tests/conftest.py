@@ -11,6 +11,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "integration: runs on the real SmolLM2-135M-Instruct target")
 
 
+@pytest.fixture(autouse=True)
+def _own_sps_cache(tmp_path, monkeypatch):
+    """Each test starts without SPS tables profiled by others (dspark.calibration.sps_cache): the tiny bundles of
+    every session hash alike, so a shared cache would decide which tests profile."""
+    from dspark.calibration import sps_cache
+
+    monkeypatch.setattr(sps_cache, "cache_dir", lambda: tmp_path / "dspark-cache")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct with a random (untrained) drafter; loaded once per test session."""

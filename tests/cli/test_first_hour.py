@@ -102,7 +102,9 @@ def test_bench_defaults_work_on_a_bundle_without_an_sps_table(bundle_copy, tmp_p
     assert again.exit_code == 0 and "no SPS table" not in again.output, again.output
     assert "using the SPS table profiled earlier" in again.output
     assert (bundle_copy / "manifest.json").read_bytes() == before  # the bundle is never written
-    assert len(list((empty_cache / "sps").iterdir())) == 1
+    from dspark.calibration import sps_cache
+
+    assert len(list((sps_cache.cache_dir() / "sps").iterdir())) == 1
 
 
 def test_ensure_sps_table_only_when_the_policy_reads_it(bundle_copy):
