@@ -50,8 +50,11 @@ def bundles(tmp_path_factory):
     *_, fp32 = tiny_bundle(root / "fp32", family="llama", vocab=24, layers=2, block_size=4, seed=5, hidden=64)
     q = root / "q"
     shutil.copytree(fp32, q)
-    gguf_tests.V = 24
-    gguf_tests.make_gguf_target(q, root / "tiny.gguf")
+    vocab, gguf_tests.V = gguf_tests.V, 24  # that module's tiny vocabulary, for this bundle only
+    try:
+        gguf_tests.make_gguf_target(q, root / "tiny.gguf")
+    finally:
+        gguf_tests.V = vocab
     quantize_bundle(q, ["heads"], QuantizeOptions(min_elements=0, agreement_prompts=0))
     quantize_bundle(q, ["verifier", "draft"], QuantizeOptions(bits=4, min_elements=0, agreement_prompts=0))
     return fp32, q

@@ -51,22 +51,20 @@ def test_replace_folder_swaps_in_one_step_and_leaves_no_temporary(tmp_path):
 
 
 def test_quantize_replaces_graph_data_and_manifest_as_a_set(bundle, tmp_path, monkeypatch):
-    import onnx
-
     from dspark.export.quantize import bundle as quantize
 
     before = tree_hashes(bundle)
-    real_save = onnx.save
+    real_save = quantize.ir.save
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device", str(args[1]))
 
-    monkeypatch.setattr(quantize.onnx, "save", disk_full)
+    monkeypatch.setattr(quantize.ir, "save", disk_full)
     with pytest.raises(OSError):
         quantize.quantize_graph(bundle, "heads", min_elements=0)
     assert tree_hashes(bundle) == before, "a failed quantize leaves the bundle as it was"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"], "and no temporary"
-    monkeypatch.setattr(quantize.onnx, "save", real_save)
+    monkeypatch.setattr(quantize.ir, "save", real_save)
     quantize.quantize_graph(bundle, "heads", min_elements=0)
     man = Manifest.read(bundle)
     spec = man.graphs["heads"]
