@@ -23,6 +23,7 @@ _TARGET_FILES = set(TOKENIZER_FILES) | {"config.json", "model.safetensors"}
 _KERNEL_FILE = re.compile(r"confidence_truncate-[0-9a-f]+-sm_\d+\.(cubin|tmp)")
 _KERNEL_FOLDER = re.compile(r"\d+(-\d+)*")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_SPS_FILE = re.compile(r"[0-9a-f]{24}\.json")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _rtx_links(path: Path) -> bool:
 
 
 def _sps(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink() and re.fullmatch(r"[0-9a-f]{24}\.json", path.name) is not None
+    return path.is_file() and not path.is_symlink() and _SPS_FILE.fullmatch(path.name) is not None
 
 
 OURS = {"targets": _target, "bundles": _bundle, "kernels": _kernel, "tensorrt_rtx_libs": _rtx_links, "sps": _sps}

@@ -86,8 +86,9 @@ def ensure_sps_table(rt, policy: VerifyPolicy | str | None = None, max_batch: in
     """Profile the SPS table on first use when `policy` (any policy if None) needs one and the bundle has none
     covering `max_batch` requests: kept in `rt.manifest`, so decoders made afterwards use it, and with `store` also
     written to the bundle's manifest (the demo's own bundle; `dspark run` and `bench` never change a bundle the user
-    did not name as output, so their profile is kept in the user cache, dspark.calibration.sps_cache, and reused). A batch-1 profile takes seconds; beyond the batches
-    it covers, a table extrapolates linearly, which overrates the cost of larger batches.
+    did not name as output, so their profile is kept in the user cache, dspark.calibration.sps_cache, and reused).
+    A batch-1 profile takes seconds; beyond the batches it covers, a table extrapolates linearly, which overrates the
+    cost of larger batches.
     Torch-free: the run, bench and demo commands call it before decoding. Returns True when it profiled."""
     if policy is not None and not needs_sps_table(policy):
         return False

@@ -29,7 +29,7 @@ def _cpu() -> str:
 def entry_path(rt) -> Path:
     graphs = rt.manifest.graphs
     parts = [graphs[name].sha256 for name in ("verifier", "verifier_fused") if name in graphs]
-    parts += [rt.backend.kind, str(getattr(rt.backend, "weights", "")), str(getattr(rt, "threads", None)), _cpu()]
+    parts += [rt.backend.kind, str(getattr(rt.backend, "weights", "")), str(rt.threads), _cpu()]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
     return cache_dir() / KIND / f"{key}.json"
 

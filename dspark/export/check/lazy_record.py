@@ -2,14 +2,13 @@
 --no-check`) gets it from the checkpoints its manifest names, when they are still on this machine and unchanged."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.check.parity import CHECK_DIR, record_check_data
-from dspark.files import Temporary
+from dspark.files import atomic_folder
 from dspark.integrity import file_sha256
 
 
@@ -51,12 +50,6 @@ def record_missing(bundle: Path, say: Callable[[str], None]) -> bool:
     pair = load_pair(str(target), draft_source, lazy=True)
     if manifest.draft.get("draft_vocab"):
         pair.set_draft_vocab(draft_ids_for(pair, int(manifest.draft["draft_vocab"]), tuple(manifest.stop_token_ids)))
-    staging = Temporary(bundle / CHECK_DIR)
-    try:
-        record_check_data(pair, bundle, into=staging.path)
-        if (bundle / CHECK_DIR).exists():
-            shutil.rmtree(bundle / CHECK_DIR)
-        staging.path.rename(bundle / CHECK_DIR)
-    finally:
-        staging.remove()
+    with atomic_folder(bundle / CHECK_DIR) as staging:
+        record_check_data(pair, bundle, into=staging)
     return True
