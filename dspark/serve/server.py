@@ -3,6 +3,7 @@ and a graceful SIGTERM/SIGINT: stop admitting, let in-flight requests finish for
 is left (each such client gets an error), then exit 0."""
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 from contextlib import asynccontextmanager
@@ -41,6 +42,8 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
     def load() -> None:
         try:
             state.load(say=lambda line: print(f"dspark serve: {line}", file=sys.stderr, flush=True))
+            if not state.ready.is_set():  # stopped while loading
+                return
             also = f" (also accepted: {', '.join(config.aliases)})" if config.aliases else ""
             print(f"dspark serve: {config.model_name} ready on http://{host}:{port}{also}", file=sys.stderr,
                   flush=True)
@@ -51,10 +54,15 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
             state.load_error = f"could not load {config.bundle}: {type(e).__name__}{': ' + first if first else ''}"
             server.should_exit = True
 
+    loader = threading.Thread(target=load, name="dspark-load", daemon=True)
+
     @asynccontextmanager
     async def lifespan(_app):
-        threading.Thread(target=load, name="dspark-load", daemon=True).start()
+        loader.start()
         yield
+        if loader.is_alive():  # a session being created cannot be interrupted; exiting under it aborts natively
+            print("dspark serve: stopping once the bundle has finished loading", file=sys.stderr, flush=True)
+            await asyncio.to_thread(loader.join)
         state.close()
 
     app = create_app(state)

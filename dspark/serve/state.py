@@ -49,10 +49,14 @@ class ServerState:
         try:
             self.runtime = Runtime(self.config.bundle, backend=self.config.backend, threads=self.config.threads,
                                    weights=self.config.weights)
+            if self.draining:  # SIGTERM while loading: start nothing more (close() frees what is loaded)
+                return
             self.chat = ChatRenderer(self.runtime.tokenizer)
             self.engine = Engine(self.runtime, self.config.engine, observer=self.metrics).start()
             self.metrics.slots.set(self.engine.batch)
             say(self.engine.choice.summary())
+            if self.draining:
+                return
             self.engine.warm_up(self.chat.encode([{"role": "user", "content": "Hello"}]))
             self.metrics.ready.set(1)
             self.ready.set()

@@ -64,3 +64,38 @@ def test_sigterm_under_load_finishes_or_fails_every_request(draining_server):
     assert len(outcomes) == 6
     assert not [o for o in outcomes if o.startswith("dropped")], outcomes
     assert "error" in outcomes  # grace 0: in-flight requests were cancelled, and told so
+
+
+# loading takes seconds: the runtime's constructor waits first, as a large bundle's sessions do
+SLOW_LOAD = """
+import time
+from dspark.runtime import api
+_init = api.Runtime.__init__
+def _slow(self, *args, **kwargs):
+    time.sleep(3)
+    _init(self, *args, **kwargs)
+api.Runtime.__init__ = _slow
+"""
+
+
+def test_sigterm_while_loading_waits_for_the_load_then_exits_0_without_starting_the_engine(tiny_bundle_v6, tmp_path):
+    import subprocess
+    import sys
+
+    from serve_support import free_port
+
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-c", SLOW_LOAD + "\nfrom dspark.cli import main_cli; main_cli()", "serve",
+           str(tiny_bundle_v6[3]), "--port", str(free_port()), "--threads", "1", "--model-name", "tiny"]
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: "Application startup complete" in log.read_text(), 60, 0.1), log.read_text()
+        process.terminate()  # SIGTERM: the loader is inside the runtime's constructor
+        assert process.wait(60) == 0, log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = log.read_text()
+    assert "stopping once the bundle has finished loading" in text
+    assert "batch slot" not in text and "ready on" not in text  # no engine started, never announced ready
+    assert "Traceback" not in text
