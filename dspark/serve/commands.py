@@ -96,7 +96,8 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
 
 
 @click.command("triton")
-@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("bundle", required=False, type=click.Path(path_type=Path))
+@click.option("--demo", is_flag=True, help="The bundle `dspark demo` made (instead of BUNDLE).")
 @click.option("--output", "-o", required=True, type=click.Path(path_type=Path), help="Model repository to write.")
 @click.option("--model-name", default="dspark", show_default=True, help="The model's name in the repository.")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
@@ -111,11 +112,14 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
 @click.option("--max-context", type=click.IntRange(16, 1 << 20),
               help="Positions each slot's caches hold (default: the bundle's max context).")
 @click.option("--force", is_flag=True, help="Replace an existing model folder.")
-def triton_cmd(bundle, output, model_name, instances, batch_size, policy, copy_bundle, python_env, max_context,
-               force):
+def triton_cmd(bundle, demo, output, model_name, instances, batch_size, policy, copy_bundle, python_env,
+               max_context, force):
     """Write a Triton Inference Server model repository (Python backend, decoupled: tokens stream) serving
     BUNDLE with the dspark runtime."""
+    from dspark.serve.names import served
     from dspark.serve.triton import TritonModel, write_repository
+
+    bundle = served(bundle, demo, None).bundle
 
     model = TritonModel(bundle=bundle, name=model_name, instances=instances, batch_size=batch_size,
                         policy=policy, copy_bundle=copy_bundle, python_env=python_env, max_context=max_context)

@@ -87,6 +87,8 @@ def test_the_readme_links_every_docs_page():
 @pytest.mark.parametrize("name, line", BASH_LINES, ids=[f"{name}: {line}" for name, line in BASH_LINES])
 def test_bash_line_parses_and_names_existing_files(name, line):
     for cmd in commands(line):
+        if cmd[0].endswith(("/bin/python", "/bin/pip")):  # a venv's own (the Triton recipe's)
+            cmd = [cmd[0].rsplit("/", 1)[1], *cmd[1:]]
         for path in repo_paths(cmd):
             assert (REPO / path).exists(), f"{line!r} names {path}, which is not in the repository"
         if cmd[0] in ("dspark", "dspark-export"):
@@ -97,6 +99,8 @@ def test_bash_line_parses_and_names_existing_files(name, line):
                                        text=True, check=True).stdout
             for option in (w.split("=")[0] for w in cmd[2:] if w.startswith("--")):
                 assert option in help_text, f"{cmd[1]} --help has no {option}"
+        elif cmd[0] == "python" and cmd[1:3] == ["-m", "venv"]:
+            assert len(cmd) == 4, f"{line!r}: python -m venv takes one folder here"
         elif cmd[0] == "python" and cmd[1:3] == ["-m", "pytest"]:
             assert all((REPO / w).exists() for w in cmd[3:] if not w.startswith("-"))
         elif cmd[0] == "pip" and cmd[1] == "install":

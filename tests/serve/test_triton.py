@@ -4,6 +4,7 @@ once, kept in the dspark cache), which is also the model's EXECUTION_ENV_PATH: t
 with that venv's packages (the runtime's dependencies, and this checkout through a .pth file)."""
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def triton(tiny_bundle_v6, tmp_path_factory):
 
     try:
         assert wait_until(ready, 180, 0.5), log.read_text()[-3000:]
-        yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+        yield {"grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics", "repo": tmp / "repo"}
     finally:
         process.terminate()
         try:
@@ -138,3 +139,46 @@ def test_triton_refuses_bad_input_and_serves_its_metrics(triton):
     client.stop_stream()
     assert error is not None and "context of 64 positions" in str(error)
     assert "nv_inference_request_success" in httpx.get(triton["metrics"], timeout=10).text
+
+
+def recipe_lines() -> list[str]:
+    """The local Triton recipe of docs/serving.md, one command per line."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- triton-recipe -->\n```bash\n(.*?)```", text, flags=re.DOTALL)
+    assert block, "docs/serving.md has no triton-recipe block"
+    return block.group(1).strip().splitlines()
+
+
+def test_the_docs_recipe_writes_a_repository_for_the_demo_bundle_and_streams_one_request(tiny_bundle_v6, triton,
+                                                                                          tmp_path):
+    """The recipe's last two lines as written (its venv line is what triton_venv() does), with the tiny bundle as
+    the demo's and the paths under tmp_path; its text equals the runtime's greedy decode of the prompt."""
+    from dspark.demo import demo_bundle_path
+
+    venv_line, export_line, try_line = recipe_lines()
+    assert "nvidia-pytriton" in venv_line and "numpy<2" in venv_line
+    env = {**os.environ, "DSPARK_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    os.environ["DSPARK_CACHE"], saved = env["DSPARK_CACHE"], os.environ.get("DSPARK_CACHE")
+    try:
+        own = demo_bundle_path("gguf")
+    finally:
+        if saved is None:
+            del os.environ["DSPARK_CACHE"]
+        else:
+            os.environ["DSPARK_CACHE"] = saved
+    shutil.copytree(tiny_bundle_v6[3], own)
+    (tmp_path / ".cache" / "dspark").mkdir(parents=True, exist_ok=True)
+    (tmp_path / ".cache" / "dspark" / "triton-venv").symlink_to(TRITON_VENV)  # ~ is tmp_path here
+    prompt = "w1 w2 w3"
+    try_line = try_line.replace('"Name three primary colors."', f'"{prompt}"')
+    for line in (export_line, try_line):
+        done = subprocess.run(["bash", "-c", line], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=400)
+        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "dspark-triton-repo" / "dspark" / "config.pbtxt").is_file()
+    printed = done.stdout.splitlines()
+    with Runtime(own, threads=1) as rt:
+        expected = rt.generate([prompt], DecodeOptions(max_tokens=48))[0]  # text: through the chat template
+    assert "\n".join(printed[:-1]) == expected.text
+    assert printed[-1] in ("[finish_reason: stop]", "[finish_reason: length]")
