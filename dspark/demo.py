@@ -32,7 +32,7 @@ class DemoRequest:
     num_prompts: int
     prompts_file: Path | None  # None: the demo prompts shipped in the package
     max_tokens: int
-    heads: str  # "q8" or "fp32": the draft heads of a bundle the demo converts
+    weights: str  # a bundle the demo converts: "gguf" (the fastest on CPU: quantize_for_cpu) or "fp32" (as exported)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DemoPlan:
     prompts_path: Path
     bundle: Path
     convert: bool  # no bundle there yet: export it
-    managed: bool  # the demo made (or makes) this bundle, so it may quantize its heads
+    managed: bool  # the demo made (or makes) this bundle, so it may quantize it
 
 
 def folder_digest(folder: Path) -> str:
@@ -51,12 +51,12 @@ def folder_digest(folder: Path) -> str:
     return hashlib.sha256("".join(f"{f.name}:{sha256_file(f)}\n" for f in files).encode()).hexdigest()[:10]
 
 
-def demo_bundle_path(heads: str) -> Path:
-    """~/.cache/dspark/bundles/<drafter>-<drafter digest>-v16k-<heads>: a new demo drafter gets a new bundle."""
+def demo_bundle_path(weights: str) -> Path:
+    """~/.cache/dspark/bundles/<drafter>-<drafter digest>-v16k-<weights>: a new demo drafter gets a new bundle."""
     folder = DRAFTS[DEMO_DRAFT]()
     if not (folder / "config.json").exists():
         raise DSparkError(f"the demo drafter {DEMO_DRAFT} is missing from this installation")
-    return cache_dir() / "bundles" / f"{DEMO_DRAFT}-{folder_digest(folder)}-v{DEMO_DRAFT_VOCAB // 1024}k-{heads}"
+    return cache_dir() / "bundles" / f"{DEMO_DRAFT}-{folder_digest(folder)}-v{DEMO_DRAFT_VOCAB // 1024}k-{weights}"
 
 
 def pick_prompts(rows: list[dict], count: int) -> list[dict]:
@@ -83,7 +83,7 @@ def plan_demo(req: DemoRequest) -> DemoPlan:
     rows = pick_prompts(read_prompts(prompts_path), req.num_prompts)
     if not rows:
         raise DSparkError(f"{prompts_path} holds no prompts")
-    bundle = req.bundle or demo_bundle_path(req.heads)
+    bundle = req.bundle or demo_bundle_path(req.weights)
     if bundle.is_file() or (bundle.is_dir() and any(bundle.iterdir()) and not (bundle / "manifest.json").exists()):
         raise DSparkError(f"{bundle} exists and is not a dspark bundle; give --bundle a bundle or a new folder")
     convert = not (bundle / "manifest.json").exists() or (req.bundle is None and not readable_bundle(bundle))
@@ -99,11 +99,12 @@ def plan_demo(req: DemoRequest) -> DemoPlan:
     return DemoPlan(rows, prompts_path, bundle, convert, managed=convert or req.bundle is None)
 
 
-def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
-    """Export (once) and quantize the heads to 8 bits when asked; torch is needed only for the export."""
+def ensure_demo_bundle(plan: DemoPlan, weights: str, say: Say) -> None:
+    """Export (once), then for `weights` "gguf" quantize_for_cpu; torch is needed only for the export,
+    onnx for the quantization."""
     bundle = plan.bundle
     if plan.convert:
-        say(f"converting {DEMO_TARGET} + {DEMO_DRAFT} -> {bundle} (once; a few minutes on 2 cores)")
+        say(f"converting {DEMO_TARGET} + {DEMO_DRAFT} -> {bundle} (once; about a minute on 2 cores)")
         from dspark.export.trace.onnx_export import export_bundle
         from dspark.export.trace.progress import Progress
         from dspark.models.pair import load_pair
@@ -113,13 +114,32 @@ def ensure_demo_bundle(plan: DemoPlan, heads: str, say: Say) -> None:
             pair = load_pair(DEMO_TARGET, DEMO_DRAFT, lazy=True)
         # no check/ data: the demo checks its output against AR itself (`dspark-export onnx` records it)
         export_bundle(pair, bundle, force=True, progress=progress, draft_vocab=DEMO_DRAFT_VOCAB, check_data=False)
-    if plan.managed and heads == "q8" and "heads" not in Manifest.read(bundle).quantized:
-        from dspark.export.quantize.bundle import quantize_graph
-
-        quantize_graph(bundle, "heads")
+    if plan.managed and weights == "gguf":
+        quantize_for_cpu(bundle, say)
     manifest = Manifest.read(bundle)
     if plan.managed:  # a demo bundle made before ONNX Runtime's twins (fused verifier, greedy heads)
         add_missing_twins(bundle, manifest, say)
+
+
+def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
+    """The demo's "gguf" weights: the verifier multiplies by the GGUF file's own blocks (the same weights the file holds, with
+    fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding stays exact
+    with respect to that verifier, which is the model the user chose. `options`: QuantizeOptions fields."""
+    done = Manifest.read(bundle).quantized
+    if "heads" in done and "verifier" in done:
+        return
+    if any(importlib.util.find_spec(m) is None for m in ("onnx", "onnx_ir", "gguf")):
+        say(f"note: {bundle.name} keeps its fp32 {' and '.join(g for g in ('verifier', 'heads') if g not in done)} "
+            f"(the GGUF's blocks and 8-bit heads are faster on CPU); quantizing needs {EXPORT}; decoding as it is")
+        return
+    from dspark.export.quantize.bundle import describe_record, quantize_graph
+
+    if "heads" not in done:
+        say("quantizing the draft heads to 8 bits (once) ...")
+        quantize_graph(bundle, "heads", **options)
+    if "verifier" not in done:
+        say("making the verifier multiply by the GGUF file's own blocks (once; about half a minute) ...")
+        say("  " + describe_record("verifier", quantize_graph(bundle, "verifier", accuracy_level=0, **options)))
 
 
 def add_missing_twins(bundle: Path, manifest: Manifest, say: Say) -> None:
@@ -149,12 +169,17 @@ def best_policy(manifest: Manifest) -> tuple[str, str]:
 def bundle_label(manifest: Manifest, backend: str = "ONNX Runtime") -> str:
     """What the bundle really runs: e.g. 'ONNX Runtime, fp32 verifier and draft, 8-bit heads, batch 1'."""
     graphs = ("verifier", "draft", "heads")
-    quantized = {g: f"{manifest.quantized[g].get('bits', '?')}-bit" for g in graphs if g in manifest.quantized}
+    quantized = {g: f"{manifest.quantized[g].get('bits', '?')}-bit {g}" for g in graphs if g in manifest.quantized}
+    formats = list((manifest.quantized.get("verifier", {}).get("gguf_blocks") or {}).get("formats", {}))
+    if formats:  # the file's own blocks: name them, as the user knows the file by them
+        quantized["verifier"] = f"verifier on the GGUF's own {_joined(formats)} blocks"
     plain = [g for g in graphs if g not in quantized]
-    listed = ", ".join(plain[:-1]) + (" and " if len(plain) > 1 else "") + plain[-1] if plain else ""
-    parts = [f"{manifest.precision} {listed}"] if plain else []
-    parts += [f"{bits} {g}" for g, bits in quantized.items()]
-    return f"{backend}, {', '.join(parts)}, batch 1"
+    parts = [f"{manifest.precision} {_joined(plain)}"] if plain else []
+    return f"{backend}, {', '.join(parts + list(quantized.values()))}, batch 1"
+
+
+def _joined(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
 
 
 @dataclass
@@ -226,7 +251,7 @@ def run_demo(req: DemoRequest, say: Say, show: Say) -> DemoTotals:
     """say: progress and notes (stderr); show: the decoded text and figures (stdout, no newline added)."""
     plan = plan_demo(req)
     say(f"prompts: {len(plan.rows)} from {plan.prompts_path}")
-    ensure_demo_bundle(plan, req.heads, say)
+    ensure_demo_bundle(plan, req.weights, say)
     with Runtime(plan.bundle) as rt:
         policy, why = best_policy(rt.manifest)
         ensure_sps_table(rt, policy, max_batch=1, say=say)

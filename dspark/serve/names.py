@@ -17,13 +17,14 @@ class Served:
 
 
 def demo_bundle() -> Path:
-    """The bundle `dspark demo` converted into the cache (8-bit heads first, then fp32 ones)."""
+    """The bundle `dspark demo` converted into the cache: its default (`--weights gguf`), else its fp32 one, else
+    one an older dspark made (8-bit heads, fp32 verifier)."""
     from dspark.demo import demo_bundle_path
 
-    for heads in ("q8", "fp32"):
-        if (demo_bundle_path(heads) / "manifest.json").exists():
-            return demo_bundle_path(heads)
-    raise DSparkError(f"no demo bundle in {demo_bundle_path('q8').parent} yet: run `dspark demo` first (it converts "
+    for weights in ("gguf", "fp32", "q8"):
+        if (demo_bundle_path(weights) / "manifest.json").exists():
+            return demo_bundle_path(weights)
+    raise DSparkError(f"no demo bundle in {demo_bundle_path('gguf').parent} yet: run `dspark demo` first (it converts "
                       f"one, a few minutes once), or give the BUNDLE to serve")
 
 

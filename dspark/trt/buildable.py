@@ -5,7 +5,7 @@ from __future__ import annotations
 from dspark.bundle import Manifest
 
 # how to get a bundle TensorRT can build, for the notes that say a bundle is not one
-BUILDABLE_HOW = ("for one that is, export without `dspark-export quantize` (the demo's: `dspark demo --heads fp32`)")
+BUILDABLE_HOW = ("for one that is, export without `dspark-export quantize` (the demo's: `dspark demo --weights fp32`)")
 
 
 def not_buildable(manifest: Manifest) -> str | None:

@@ -195,13 +195,13 @@ def test_demo_and_bench_on_a_converted_bundle_need_no_torch(bundle_copy):
 def test_the_demo_converts_its_own_bundle_again_when_it_is_outdated(tiny_bundle_v6, empty_cache):
     from dspark.demo import DemoRequest, demo_bundle_path, plan_demo
 
-    request = DemoRequest(None, 2, None, 8, "q8")
+    request = DemoRequest(None, 2, None, 8, "gguf")
     assert plan_demo(request).convert  # nothing there yet
-    own = demo_bundle_path("q8")
+    own = demo_bundle_path("gguf")
     shutil.copytree(tiny_bundle_v6[3], own)
     assert not plan_demo(request).convert
     raw = json.loads((own / "manifest.json").read_text())
     (own / "manifest.json").write_text(json.dumps({**raw, "format_version": 0}))
     assert plan_demo(request).convert and plan_demo(request).managed
     with pytest.raises(DSparkError, match="format version"):  # a bundle the user names is never replaced
-        plan_demo(DemoRequest(own, 2, None, 8, "q8"))
+        plan_demo(DemoRequest(own, 2, None, 8, "gguf"))

@@ -47,7 +47,7 @@ def test_doctor_on_a_quantized_cpu_bundle_notes_once_that_tensorrt_cannot_build_
     assert res.exit_code == 0, res.output
     assert "FAIL" not in res.output and res.output.count("not buildable for TensorRT") == 1
     assert "[note] TensorRT build: this bundle is not buildable for TensorRT, because heads hold MatMulNBits" \
-        in res.output and "dspark demo --heads fp32" in res.output
+        in res.output and "dspark demo --weights fp32" in res.output
     assert snapshot(bundle) == before
 
 
@@ -90,7 +90,7 @@ def test_the_demo_runs_its_cached_bundle_without_torch_or_onnx(bundle, tmp_path,
     manifest = Manifest.read(own)
     manifest.graphs.pop("heads_greedy")  # converted before the twins: adding them needs onnx
     manifest.write(own)
-    out = without_export_extra(["main", "demo", "--heads", "fp32", "--num-prompts", "1", "--max-new-tokens", "4"],
+    out = without_export_extra(["main", "demo", "--weights", "fp32", "--num-prompts", "1", "--max-new-tokens", "4"],
                                tmp_path / "cache")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "has no greedy heads graph" in out.stderr and "dspark[export]" in out.stderr

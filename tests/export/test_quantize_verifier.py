@@ -196,3 +196,26 @@ def test_a_reference_too_big_to_pack_is_scored_mapped_one_verifier_at_a_time(ggu
     mapped = agreement.measure_agreement(fp32, q, prompts=3, max_tokens=8)
     assert mapped.text_from == "quantized" and modes == {Path(fp32): "mapped", Path(q): "packed"}
     assert mapped.positions == packed.positions == 24 and 0.5 <= mapped.top1 <= 1.0
+
+
+def test_the_demo_quantizes_its_own_bundle_for_cpu_once(gguf_bundle, tmp_path):
+    from dspark.demo import bundle_label, quantize_for_cpu
+
+    bundle = tmp_path / "demo"
+    shutil.copytree(gguf_bundle[0], bundle)
+    said = []
+    quantize_for_cpu(bundle, said.append, min_elements=0, **AGREEMENT)
+    manifest = Manifest.read(bundle)
+    assert manifest.quantized["heads"]["bits"] == 8
+    blocks = manifest.quantized["verifier"]["gguf_blocks"]
+    assert set(blocks["formats"]) == {"Q4_1", "Q4_0", "Q8_0"} and set(blocks["max_abs_weight_diff"].values()) == {0}
+    assert manifest.quantized["verifier"]["layer_accuracy_levels"] == [0]  # fp32 activations: batches stay batched
+    assert "verifier on the GGUF's own" in bundle_label(manifest) and "8-bit heads" in bundle_label(manifest)
+    assert any("GGUF blocks" in line for line in said)
+    before = (bundle / "manifest.json").read_bytes()
+    quantize_for_cpu(bundle, said.append)  # once: a quantized bundle is left as it is
+    assert (bundle / "manifest.json").read_bytes() == before
+    options = DecodeOptions(max_tokens=12, policy="all")
+    with Runtime(bundle) as rt:
+        assert [r.token_ids for r in rt.generate(prompts(2), options)] == \
+            [r.token_ids for r in rt.generate(prompts(2), DecodeOptions(max_tokens=12, policy="ar"))]

@@ -27,7 +27,7 @@ def test_demo_serves_the_demo_bundle_as_a_stable_model_id(tiny_bundle_v6, cache)
 
     with pytest.raises(DSparkError, match="run `dspark demo` first"):
         served(None, True, None)
-    own = demo_bundle_path("q8")
+    own = demo_bundle_path("gguf")
     shutil.copytree(tiny_bundle_v6[3], own)
     target = served(None, True, None)
     assert target.bundle == own and target.model_name == "smollm2-135m-dspark" and target.aliases == (own.name,)
