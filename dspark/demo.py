@@ -272,6 +272,9 @@ def run_demo(req: DemoRequest, say: Say, show: Say) -> DemoTotals:
     return totals
 
 
-EXPECT = ("what to expect: on this 135M target a verifier step costs little more than drafting a block, so the "
-          "speedup is small (about x1.0 to x1.5, and it moves between runs on a busy machine); speculative decoding "
-          "pays with targets ten times the draft's cost and more (docs/benchmarks.md)")
+EXPECT = ("what to expect: on this 135M target a verifier step is cheap next to drafting (on the GGUF's blocks, "
+          "verifying even one draft costs about twice a plain step), so the draft gate drafts in few rounds and "
+          "DSpark runs at "
+          "about autoregressive speed (x0.95 to x1.05, moving between runs on a busy machine; about x1.0 to x1.2 "
+          "with --weights fp32, whose slower steps leave drafting more room); speculative decoding pays with "
+          "targets ten times the draft's cost and more (docs/benchmarks.md, docs/real-size.md)")
