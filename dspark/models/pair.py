@@ -108,12 +108,24 @@ def choose_mask_token(loaded: LoadedTarget) -> int:
     specials = [t for t in tok.get("added_tokens", []) if t.get("special") and t["id"] not in reserved
                 and t["content"] not in template]
     if not specials:
-        raise DSparkError("no spare token for the draft's mask slot; pass --mask-token-id")
+        raise DSparkError(f"no spare token for the draft's mask slot: the tokenizer uses all {vocab} ids of the "
+                          "vocabulary and has no unused special token; name one the tokenizer never emits with "
+                          "`dspark train --mask-token-id ID`")
     return max(t["id"] for t in specials)
 
 
-def random_drafter(loaded: LoadedTarget, seed: int = 0, **kw) -> DSparkDrafter:
-    cfg = draft_config_for(loaded.config, mask_token_id=kw.pop("mask_token_id", None) or choose_mask_token(loaded), **kw)
+def mask_token(loaded: LoadedTarget, asked: int | None) -> int:
+    """The draft's mask slot: `asked` (checked against the vocabulary) or the one choose_mask_token finds."""
+    if asked is None:
+        return choose_mask_token(loaded)
+    vocab = loaded.config.vocab_size
+    if not 0 <= asked < vocab:
+        raise DSparkError(f"--mask-token-id {asked}: the target's vocabulary has ids 0..{vocab - 1}")
+    return asked
+
+
+def random_drafter(loaded: LoadedTarget, seed: int = 0, mask_token_id: int | None = None, **kw) -> DSparkDrafter:
+    cfg = draft_config_for(loaded.config, mask_token_id=mask_token(loaded, mask_token_id), **kw)
     body = loaded.hf_model
     drafter = DSparkDrafter(cfg, embed_tokens=body.model.embed_tokens, lm_head=body.lm_head)
     torch.manual_seed(seed)

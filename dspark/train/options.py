@@ -70,6 +70,9 @@ class TrainOptions:
         default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
         help="Merge responses generated elsewhere for the same PROMPTS and target (a responses.jsonl, e.g. from a "
              "GPU machine) into the cache; their taps are computed here, for the first --max-prompts.")
+    mask_token_id: int | None = option(default=None, type=click.IntRange(0),
+                                       help="The draft's mask slot: a token id the tokenizer never emits [default: "
+                                            "the first id past the tokenizer, or its highest unused special token].")
     init_from: str | None = option(default=None, help="Start from this trained drafter (folder or short name) "
                                    "instead of random weights; its architecture replaces --layers/--block-size/"
                                    "--markov-*/--intermediate-size/--confidence.")

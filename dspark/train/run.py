@@ -60,7 +60,7 @@ class TrainRun(TrainOptions):
         return random_drafter(loaded, seed=DEFAULT_SEED if self.seed is None else self.seed,
                               num_layers=self.layers, block_size=self.block_size, markov_rank=self.markov_rank,
                               markov_head_type=self.markov_type, confidence_head=self.confidence,
-                              intermediate_size=self.intermediate_size)
+                              intermediate_size=self.intermediate_size, mask_token_id=self.mask_token_id)
 
     def _warm_start(self, loaded: LoadedTarget) -> DSparkDrafter:
         """Continue from a trained drafter's weights with a fresh optimizer and schedule. Its STS temperatures are
