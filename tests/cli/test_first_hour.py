@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from dspark.bundle import Manifest
 from dspark.cli import main_cli
-from dspark.demo import best_policy, bundle_label, pick_prompts
+from dspark.demo import best_policy, bundle_label, expectation, pick_prompts
 from dspark.errors import DSparkError
 from dspark.prompts import DEMO_PROMPTS, read_prompts
 
@@ -85,6 +85,9 @@ def test_demo_policy_and_label_say_what_the_bundle_is(tiny_bundle_v6):
     assert bundle_label(manifest) == "ONNX Runtime, fp32 verifier, draft and heads, batch 1"
     manifest.quantized["heads"] = {"bits": 8, "op": "MatMulNBits"}
     assert bundle_label(manifest) == "ONNX Runtime, fp32 verifier and draft, 8-bit heads, batch 1"
+    assert "on the fp32 verifier" in expectation(manifest) and "GGUF's blocks" not in expectation(manifest)
+    manifest.quantized["verifier"] = {"bits": 4, "gguf_blocks": {"formats": {"Q4_1": 210, "Q8_0": 1}}}
+    assert "on the GGUF's blocks, verifying even one draft costs about twice" in expectation(manifest)
     manifest.draft["confidence_head"] = False
     assert best_policy(manifest)[0] == "all+gate"
 
