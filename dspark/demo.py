@@ -281,7 +281,7 @@ def expectation(manifest: Manifest) -> str:
             "busy machine; about x1.0 to x1.2 with --weights fp32, whose slower steps leave drafting more room)"
             if gguf else
             "on the fp32 verifier a step of several positions costs little more than one, so DSpark runs at about "
-            "x1.0 to x1.2 of autoregressive speed here, while the default --weights gguf runs both about twice as "
+            "x1.0 to x1.2 of autoregressive speed here, while the default --weights gguf runs both 1.5 to 2 times as "
             "fast at about x1.0")
     return (f"what to expect: on this 135M target a verifier step is cheap next to drafting ({step}); speculative "
             "decoding pays with targets ten times the draft's cost and more (docs/benchmarks.md, docs/real-size.md)")
