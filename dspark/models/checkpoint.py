@@ -133,8 +133,9 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
 def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = True,
                dtype: torch.dtype = torch.bfloat16, overwrite: bool = True) -> Path:
     """Write config.json + model.safetensors atomically (a temporary folder renamed into place). With the shared
-    embed_tokens/lm_head (the default) DeepSpec loads it as is; without them it is smaller, but DeepSpec would
-    initialise those two randomly. Only an empty folder or an earlier draft checkpoint is replaced."""
+    embed_tokens/lm_head (the default, in the precision dspark decodes with: see _stored) DeepSpec loads it as is;
+    without them it is smaller, but DeepSpec would initialise those two randomly. Only an empty folder or an
+    earlier draft checkpoint is replaced."""
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise DSparkError(f"{folder} exists; pass --force to overwrite")
@@ -143,7 +144,7 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
         print(f"warning: {folder} leaves out embed_tokens/lm_head (they come from the target): dspark loads it, "
               f"DeepSpec cannot", file=sys.stderr)
     state = drafter.state_dict() if include_shared else drafter.trainable_state_dict()
-    tensors = {k: v.detach().to(dtype, copy=True).contiguous() for k, v in state.items()}  # tied: 2 copies
+    tensors = {k: _stored(k, v, dtype) for k, v in state.items()}  # tied: 2 copies
     with atomic_folder(folder) as tmp:
         for name in KEEP_BESIDE_WEIGHTS:  # written beside the weights by other steps (dspark train)
             if (folder / name).is_file():
@@ -154,6 +155,16 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
 
 
 KEEP_BESIDE_WEIGHTS = ("draft_vocab.json", "README.md")
+
+
+def _stored(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The drafter's own weights are written in `dtype`. The shared embed_tokens/lm_head are the target's, which
+    dspark decodes with as they are: written in `dtype` only where that is exact (a bf16 target's), else in their
+    own precision, so a reader of the checkpoint alone (DeepSpec) multiplies by the same matrices."""
+    narrowed = tensor.detach().to(dtype, copy=True).contiguous()
+    if name in SHARED and not torch.equal(narrowed.to(tensor.dtype), tensor.detach()):
+        return tensor.detach().clone().contiguous()
+    return narrowed
 
 
 def _check_replaceable(folder: Path) -> None:

@@ -110,3 +110,21 @@ def test_missing_folder_and_standalone_without_shared(saved, tmp_path):
     with pytest.raises(DSparkError, match="load it together with its target"):
         load_draft(folder)
     shutil.rmtree(folder)
+
+
+def test_the_shared_matrices_are_saved_as_dspark_decodes_with_them(tmp_path):
+    """A checkpoint read alone (as DeepSpec reads it) gives the logits dspark's decode gives with the target."""
+    _, target, drafter = tiny_pair("qwen3", vocab=32)  # fp32 target matrices, not bf16-representable
+    out = save_draft(drafter, tmp_path / "d")  # the default: the drafter's own weights in bf16
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight)
+    alone = load_draft(out)
+    with_target = load_draft(out, target.cfg, target.embed_tokens, target.lm_head)
+    hidden = torch.randn(2, 5, drafter.cfg.hidden_size)
+    assert torch.equal(alone.lm_head(hidden), with_target.lm_head(hidden))
+    # a bf16 target's matrices are exact in bf16, so they stay as small as the rest
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(drafter.lm_head.weight.to(torch.bfloat16).float())
+    assert load_file(save_draft(drafter, tmp_path / "b") / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
