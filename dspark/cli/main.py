@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from dspark.cli.cache import cache_group
+from dspark.cli.deepspec import deepspec_cmd
 from dspark.cli.demo import demo_cmd
 from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy
 from dspark.cli.quantize import fuse_cmd, quantize_cmd
@@ -391,9 +392,7 @@ def reference_cmd(target, draft, prompt, max_tokens, temperature, seed, threshol
             sys.exit(1)
 
 
-main_cli.add_command(serve_cmd)
-export_cli.add_command(triton_cmd)
-export_cli.add_command(quantize_cmd)
-export_cli.add_command(fuse_cmd)
-main_cli.add_command(cache_group)
-main_cli.add_command(demo_cmd)
+for command in (serve_cmd, cache_group, demo_cmd):
+    main_cli.add_command(command)
+for command in (triton_cmd, quantize_cmd, fuse_cmd, deepspec_cmd):
+    export_cli.add_command(command)

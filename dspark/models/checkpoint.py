@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dspark.errors import DSparkError
-from dspark.files import atomic_folder, read_json
+from dspark.files import atomic_folder, normal_mode, read_json
 from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.tensors import CheckpointTensors, LazyWeights, params_on_meta, read_shard_index
@@ -131,11 +132,13 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
 
 
 def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = True,
-               dtype: torch.dtype = torch.bfloat16, overwrite: bool = True) -> Path:
+               dtype: torch.dtype = torch.bfloat16, overwrite: bool = True,
+               read: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (a temporary folder renamed into place). With the shared
     embed_tokens/lm_head (the default, in the precision dspark decodes with: see _stored) DeepSpec loads it as is;
     without them it is smaller, but DeepSpec would initialise those two randomly. Only an empty folder or an
-    earlier draft checkpoint is replaced."""
+    earlier draft checkpoint is replaced. `read` gives the values of weights still on the meta device (a lazily
+    loaded pair's: LazyWeights.read), one at a time."""
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise DSparkError(f"{folder} exists; pass --force to overwrite")
@@ -144,6 +147,10 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
         print(f"warning: {folder} leaves out embed_tokens/lm_head (they come from the target): dspark loads it, "
               f"DeepSpec cannot", file=sys.stderr)
     state = drafter.state_dict() if include_shared else drafter.trainable_state_dict()
+    if read is not None:  # by the module's own tensors: LazyWeights knows them by identity
+        live = {**dict(drafter.named_parameters(remove_duplicate=False)),
+                **dict(drafter.named_buffers(remove_duplicate=False))}
+        state = {k: read(live[k]) if v.is_meta else v for k, v in state.items()}
     tensors = {k: _stored(k, v, dtype) for k, v in state.items()}  # tied: 2 copies
     with atomic_folder(folder) as tmp:
         for name in KEEP_BESIDE_WEIGHTS:  # written beside the weights by other steps (dspark train)
@@ -151,6 +158,7 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
                 shutil.copyfile(folder / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        normal_mode(tmp / WEIGHTS)  # safetensors writes 0600
     return folder
 
 

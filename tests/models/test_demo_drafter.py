@@ -40,3 +40,35 @@ def test_demo_bundle_cache_follows_the_drafter(tmp_path):
     assert folder_digest(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"w2")
     assert folder_digest(tmp_path) != first
+
+
+@pytest.mark.integration
+def test_the_demo_drafter_becomes_a_complete_deepspec_checkpoint(smollm2, tmp_path):
+    """`dspark-export deepspec`: what DeepSpec's model needs to load the demo drafter alone (its config's
+    num_anchors, embed_tokens, lm_head), computing the logits dspark computes with its target."""
+    import torch
+    from click.testing import CliRunner
+    from safetensors import safe_open
+
+    from dspark.cli import export_cli
+    from dspark.models.config import DEEPSPEC_NUM_ANCHORS
+
+    out = tmp_path / "demo-deepspec"
+    result = CliRunner().invoke(export_cli, ["deepspec", "--target", "smollm2-135m", "--draft", NAME, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_anchors"] == DEEPSPEC_NUM_ANCHORS and raw["architectures"] == ["Qwen3DSparkModel"]
+    assert (out / "model.safetensors").stat().st_mode & 0o044  # readable like any file the user writes
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(resolve_draft(NAME) / "model.safetensors"), "pt") as f:
+        assert all(torch.equal(saved[k], f.get_tensor(k)) for k in f.keys())  # its own weights, bit for bit
+    body = smollm2[0].loaded.hf_model
+    assert torch.equal(saved["embed_tokens.weight"], body.model.embed_tokens.weight.float())
+    assert torch.equal(saved["lm_head.weight"], body.lm_head.weight.float())
+    alone = load_draft(out)
+    hidden = torch.randn(3, body.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(alone.lm_head(hidden), body.lm_head(hidden))
+    again = CliRunner().invoke(export_cli, ["deepspec", "--target", "smollm2-135m", "--draft", NAME, "-o", str(out)])
+    assert again.exit_code != 0 and "--force" in again.output
