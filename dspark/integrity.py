@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from dspark.errors import DSparkError
-from dspark.files import write_text_atomic
-from dspark.resolve import cache_dir
+from dspark.files import read_json, write_text_atomic
+from dspark.resolve import CacheUnwritable, cache_dir
 
 _SEEN_FILE = "verified-files.json"
 _SEEN_LIMIT = 512  # file versions remembered
@@ -35,9 +35,12 @@ def _version(path: Path) -> str:
 
 def _seen() -> dict[str, str]:
     try:
-        raw = json.loads((cache_dir() / _SEEN_FILE).read_text())
-        return raw if isinstance(raw, dict) else {}
-    except (OSError, ValueError):
+        path = cache_dir() / _SEEN_FILE  # a DSPARK_CACHE naming a file is said (DSparkError), not ignored
+    except CacheUnwritable:
+        return {}
+    try:
+        return read_json(path, kind=dict)
+    except DSparkError:  # none yet, or damaged: hashed again and rewritten
         return {}
 
 
@@ -69,7 +72,8 @@ def data_records(folder: Path, names: list[str]) -> dict[str, dict]:
 def check_file(path: Path, label: str, want_sha256: str, want_bytes: int | None = None, full: bool = False) -> None:
     """DSparkError in one line if `path` is missing, of another size, or holds other bytes than recorded."""
     if not path.is_file():
-        raise DSparkError(f"{label} is missing from the bundle ({path}); re-export it")
+        what = "is not a file" if path.exists() else "is missing from the bundle"
+        raise DSparkError(f"{label} {what} ({path}); re-export the bundle or copy it again")
     if want_bytes is not None and path.stat().st_size != want_bytes:
         raise DSparkError(f"{label} is {path.stat().st_size} bytes, the manifest records {want_bytes}: the bundle "
                           f"is damaged or half-copied; copy it again or re-export it")
