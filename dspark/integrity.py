@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, describe_os_error
 from dspark.files import read_json, write_text_atomic
 from dspark.resolve import CacheUnwritable, cache_dir
 
@@ -57,6 +57,31 @@ def file_sha256(path: Path, full: bool = False) -> str:
     except (OSError, DSparkError):
         pass  # a read-only cache: the next load hashes again
     return digest
+
+
+def read_onnx(path: Path, label: str | None = None):
+    """The ModelProto of the ONNX file `path`, its external data left where it is: a DSparkError line naming the
+    file when it cannot be read, is empty, or is not an ONNX model (cut short, damaged, another kind of file).
+    Every reader of a graph file goes through here (onnx: the export extra)."""
+    import onnx  # dspark-export's dependency; the runtime reads graphs through ONNX Runtime
+
+    path, label = Path(path), label or str(path)
+    how = "re-export the bundle or copy it again"
+    try:
+        if path.stat().st_size == 0:
+            raise DSparkError(f"{label} is empty, not an ONNX graph: {how}")
+        model = onnx.load(str(path), load_external_data=False)
+    except DSparkError:
+        raise
+    except OSError as e:
+        raise DSparkError(f"cannot read {label}: {describe_os_error(e)}") from None
+    except Exception as e:  # protobuf's DecodeError, and what else a damaged file makes onnx raise
+        raise DSparkError(f"{label} is not an ONNX graph ({type(e).__name__}): it is damaged, cut short or another "
+                          f"kind of file; {how}") from None
+    if not model.HasField("graph") or model.ir_version <= 0 or not model.graph.node:
+        raise DSparkError(f"{label} is not an ONNX graph (no graph with nodes in it): it is damaged, cut short or "
+                          f"another kind of file; {how}")
+    return model
 
 
 def data_records(folder: Path, names: list[str]) -> dict[str, dict]:
