@@ -63,6 +63,11 @@ class Manifest:
         return int(self.draft["block_size"])
 
     @property
+    def tap_features(self) -> int:
+        """Target features per position the verifier hands the draft (its `taps` output; checked at read)."""
+        return int(next(t for t in self.graphs["verifier"].outputs if t.name == "taps").shape[-1])
+
+    @property
     def sts_temperatures(self) -> list[float]:
         return list(self.calibration.get("sts_temperatures") or [1.0] * self.block_size)
 
@@ -101,6 +106,15 @@ class Manifest:
         return contained(Path(folder), name, "bundle")
 
     @classmethod
+    def read_checked(cls, folder: Path, full: bool = False) -> "Manifest":
+        """The manifest, once every graph and data file it records is what it records (check_files): whatever
+        reads the graphs or rewrites the bundle starts here, so a damaged, cut or foreign file is named in one
+        line before anything parses it or builds on it."""
+        manifest = cls.read(folder)
+        manifest.check_files(Path(folder), full=full)
+        return manifest
+
+    @classmethod
     def read(cls, folder: Path) -> "Manifest":
         folder = Path(folder)
         path = folder / MANIFEST
@@ -111,12 +125,12 @@ class Manifest:
         raw = read_json(path)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise DSparkError(f"{path} is not a dspark manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
-        if raw.get("format_version") != FORMAT_VERSION:
+        if not is_int(raw.get("format_version")) or raw.get("format_version") != FORMAT_VERSION:
             raise DSparkError(f"bundle format version {raw.get('format_version')!r} is not supported by this dspark "
                               f"(reads version {FORMAT_VERSION}); re-export the bundle")
         validate_manifest(raw, folder, f"{path}")
         raw = dict(raw)
-        for key in ("sources", "calibration", "quantized", "tensorrt", "tools"):  # null: as if absent
+        for key in ("sources", "calibration", "quantized", "tensorrt", "tools", "data_files"):  # null: as if absent
             raw[key] = raw.get(key) or {}
         raw["graphs"] = {k: GraphSpec.from_dict(v) for k, v in raw["graphs"].items()}
         man = cls(**{k: v for k, v in raw.items() if k in _FIELDS})
@@ -157,8 +171,8 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     for key in ("hidden_size", "num_layers", "num_kv_heads", "head_dim"):
         target.integer(key, 1)
     draft = top.obj("draft")
-    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):
-        draft.integer(key, 1, default=1)
+    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):  # the draft's cache and hidden sizes
+        draft.integer(key, 1)
     block = draft.integer("block_size", 1, 1024)
     draft.int_list("target_layer_ids", -1, target.raw["num_layers"] - 1)
     draft.integer("mask_token_id", 0, vocab - 1)
@@ -178,10 +192,7 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
             _validate_graph(graphs.obj(name), folder)
     for name in sorted(set(graphs.raw) - set(GRAPHS) - set(OPTIONAL_GRAPHS)):
         graphs.fail(name, f"is not a graph of a bundle ({', '.join(GRAPHS + OPTIONAL_GRAPHS)})")
-    blocks = {t.get("shape", [None, None])[1] for t in graphs.raw["heads"]["outputs"]
-              if t.get("name") in ("draft_tokens", "survival") and len(t.get("shape", [])) == 2}
-    if blocks - {block}:
-        draft.fail("block_size", f"is {block}, but the heads graph drafts {sorted(blocks, key=str)[0]} tokens")
+    _validate_sizes(raw, where)
     calibration = top.obj("calibration", default={})
     if calibration.has("sts_temperatures"):
         temps = calibration.number_list("sts_temperatures", positive=True)
@@ -189,16 +200,98 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
             calibration.fail("sts_temperatures", f"has {len(temps)} entries, block_size is {block}")
     if calibration.has("sps_table"):
         calibration.number_list("sps_table", positive=True)
-    for key in ("sources", "quantized", "tools"):
+    for key in ("sources", "tools"):
         top.obj(key, default={})
+    quantized = top.obj("quantized", default={})
+    for name in quantized.raw:  # what dspark-export quantize recorded per graph (read by check, demo, the runtime)
+        record = quantized.obj(name)
+        if record.has("bits"):
+            record.integer("bits", 1, 32)
+        if record.has("layer_accuracy_levels"):
+            record.int_list("layer_accuracy_levels", 0, 4)
+        if record.has("gguf_blocks"):
+            blocks = record.obj("gguf_blocks")
+            if blocks.has("formats"):
+                blocks.obj("formats")
     files = top.obj("data_files", default={})
     for name in files.raw:
         contained(folder, name)
         record = files.obj(name)
         record.integer("bytes", 0)
         record.string("sha256")
-    top.string("precision", default="fp32")
+    top.string("precision", default="fp32", choices=PRECISIONS)
     _validate_tensorrt(top.obj("tensorrt", default={}), folder)
+
+
+def _size_checks(graphs: dict, where: str):
+    """The checks _validate_sizes makes of the graph records: (tensors, size, caches)."""
+    def tensors(graph: str, side: str) -> dict[str, list]:
+        return {t["name"]: t["shape"] for t in graphs[graph][side]}
+
+    def size(graph: str, side: str, name: str, axis: int, want, what: str) -> None:
+        shape = tensors(graph, side).get(name)
+        noun = side[:-1]
+        if shape is None:
+            raise DSparkError(f"{where}: graphs.{graph} has no {noun} {name!r}: the manifest does not describe a "
+                              f"dspark bundle's {graph} graph; re-export the bundle")
+        got = shape[axis] if -len(shape) <= axis < len(shape) else None
+        if got != want:
+            shown = "no such axis" if got is None else (f"the axis {got!r} of any size" if isinstance(got, str)
+                                                          else got)
+            raise DSparkError(f"{where}: {what} is {want}, but graphs.{graph} {noun} {name} has {shown} at axis "
+                              f"{axis} (shape {shape}): the manifest and its graphs disagree; re-export the bundle")
+
+    def caches(graph: str, side: str, prefix: str, sizes: dict, what: str) -> None:
+        names = [n for n in tensors(graph, side) if n.startswith(f"{prefix}.")]
+        layers = sizes["num_layers"]
+        if len(names) != 2 * layers or names != [f"{prefix}.{i}.{k}" for i in range(layers) for k in ("key", "value")]:
+            raise DSparkError(f"{where}: {what}.num_layers is {layers}, but graphs.{graph} has {len(names)} {prefix}.* "
+                              f"cache {side} (2 per layer): the manifest and its graphs disagree; re-export the bundle")
+        for name in names:
+            size(graph, side, name, 1, sizes["num_kv_heads"], f"{what}.num_kv_heads")
+            size(graph, side, name, 3, sizes["head_dim"], f"{what}.head_dim")
+
+    return tensors, size, caches
+
+
+def _validate_sizes(raw: dict, where: str) -> None:
+    """Every size of the manifest a runtime sizes buffers or feeds by (layers, KV heads, head dims, vocabulary,
+    block size, hidden sizes, taps) against the shapes its graph records declare, and those records against each
+    other where one graph feeds another: a manifest that lies about a size is refused here, in one line, instead of
+    decoding differently or failing at the first graph call. (The graph files are checked against these records
+    when they are loaded: dspark.runtime.ort_backend, dspark.trt.backend.)"""
+    target, draft, graphs = raw["target"], raw["draft"], raw["graphs"]
+    block = draft["block_size"]
+    tensors, size, caches = _size_checks(graphs, where)
+    vocab, hidden = target["vocab_size"], draft["hidden_size"]
+    for name in ("verifier", "verifier_fused"):
+        if name in graphs:
+            caches(name, "inputs", "past", target, "target")
+            size(name, "inputs", "draft_probs", 2, vocab, "target.vocab_size")
+    if "verifier_fused" in graphs:
+        caches("verifier_fused", "outputs", "present", target, "target")
+    caches("draft", "inputs", "draft_past", draft, "draft")
+    size("draft", "outputs", "hidden", 1, block, "draft.block_size")
+    size("draft", "outputs", "hidden", 2, hidden, "draft.hidden_size")
+    taps = tensors("verifier", "outputs").get("taps")
+    if taps is None or len(taps) != 3 or not is_int(taps[2]):
+        raise DSparkError(f"{where}: graphs.verifier output taps must be [batch, positions, features] with a fixed "
+                          f"number of features, not {taps}; re-export the bundle")
+    size("draft", "inputs", "ctx_features", 2, taps[2], "the verifier's taps (features per position)")
+    if len(draft["target_layer_ids"]) * target["hidden_size"] != taps[2]:
+        raise DSparkError(f"{where}: draft.target_layer_ids names {len(draft['target_layer_ids'])} layers of "
+                          f"target.hidden_size {target['hidden_size']}, but graphs.verifier output taps has {taps[2]} "
+                          f"features per position: the manifest and its graphs disagree; re-export the bundle")
+    for name in ("heads", "heads_greedy"):
+        if name not in graphs:
+            continue
+        size(name, "inputs", "hidden", 1, block, "draft.block_size")
+        size(name, "inputs", "hidden", 2, hidden, "draft.hidden_size")
+        size(name, "inputs", "conf_temperatures", 0, block, "draft.block_size")
+        for output in ("draft_tokens", "survival"):
+            size(name, "outputs", output, 1, block, "draft.block_size")
+    size("heads", "outputs", "draft_probs", 1, block, "draft.block_size")
+    size("heads", "outputs", "draft_probs", 2, vocab, "target.vocab_size")
 
 
 def _validate_graph(graph: Fields, folder: Path) -> None:
@@ -231,6 +324,7 @@ def _validate_tensorrt(section: Fields, folder: Path) -> None:
         contained(folder, engines.obj(name).string("file"))
 
 
+PRECISIONS = ("fp32", "fp16", "bf16")  # stored precision of the weight matrices (dspark.models.tensors)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
 
 

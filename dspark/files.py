@@ -12,8 +12,11 @@ import ctypes.util
 import errno
 import fcntl
 import json
+import math
 import os
 import shutil
+import stat
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,27 +28,80 @@ LOCK_SUFFIX = ".lock"
 _RENAME_EXCHANGE = 2
 
 
-def read_text(path: Path, label: str | None = None) -> str:
-    """The UTF-8 text of `path`; DSparkError naming the file if it cannot be read or is not UTF-8."""
+MAX_TEXT_BYTES = 1 << 30  # a text file dspark reads whole (prompts, JSON): beyond this it is not one
+
+
+def read_text(path: Path, label: str | None = None, limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of `path` (a file or a pipe, at most `limit` bytes); DSparkError naming the file if it cannot be
+    read, is a device (/dev/zero would never end), is larger, or is not UTF-8."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            if stat.S_ISCHR(os.fstat(f.fileno()).st_mode) or stat.S_ISBLK(os.fstat(f.fileno()).st_mode):
+                raise DSparkError(f"{label or path} is a device, not a text file")
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise DSparkError(f"{label or path} is larger than {limit >> 20} MiB: not a file dspark reads whole")
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # newlines as text mode reads them
     except UnicodeDecodeError as e:
         raise DSparkError(f"{label or path} is not UTF-8 text (byte {e.start})") from None
     except OSError as e:
-        raise DSparkError(f"cannot read {label or path}: {describe_os_error(e)}") from None
+        why = e.strerror if e.strerror and e.filename in (None, str(path)) else describe_os_error(e)
+        raise DSparkError(f"cannot read {label or path}: {why}") from None
 
 
-def read_json(path: Path, label: str | None = None) -> Any:
-    """The parsed content of `path`; DSparkError "<label> is not valid JSON (...)" if it is not (label: the path)."""
-    text = read_text(path, label)
+def read_json(path: Path, label: str | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
+    """The parsed content of `path`; DSparkError naming the file (label: the path by default) if it cannot be read,
+    is not UTF-8, is not JSON (see parse_json) or, with `kind`, is not a JSON value of that type (dict: an object,
+    list: an array)."""
+    return parse_json(read_text(path, label), label or str(path), kind)
+
+
+def parse_json(text: str | bytes, label: str, kind: type | tuple[type, ...] | None = None) -> Any:
+    """Every piece of JSON dspark did not write in this process (a bundle's files, a user's prompt file, a cache
+    entry, a server's parameters) is parsed here: malformed JSON, bytes that are not UTF-8, nesting too deep for the
+    parser, NaN/Infinity, a number too large to be finite or an integer of more digits than Python converts become
+    one DSparkError line naming `label`; with `kind` the top-level value must be of that type."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise DSparkError(f"{label} is not JSON text ({type(text).__name__})")
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except (json.JSONDecodeError, ValueError, RecursionError) as e:
-        raise DSparkError(f"{label or path} is not valid JSON ({e})") from None
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8")
+        value = json.loads(text.removeprefix("\ufeff"), parse_constant=_refuse_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        raise DSparkError(f"{label} is not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise DSparkError(f"{label} is not valid JSON (nested too deeply to read)") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, 1e999, an integer of over 4300 digits
+        raise DSparkError(f"{label} is not valid JSON ({_first_line(e)})") from None
+    if kind is not None and not isinstance(value, kind):
+        raise DSparkError(f"{label} must hold a JSON {_json_kind(kind)}, not {_json_kind(type(value))}")
+    return value
 
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return value
+
+
+def _first_line(e: BaseException) -> str:
+    if "integer string conversion" in str(e):
+        return f"an integer of more than {getattr(sys, 'get_int_max_str_digits', lambda: 4300)()} digits"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _json_kind(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(_JSON_KINDS.get(k, k.__name__) for k in kinds)
 
 
 def _umask() -> int:

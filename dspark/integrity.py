@@ -12,9 +12,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from dspark.errors import DSparkError
-from dspark.files import write_text_atomic
-from dspark.resolve import cache_dir
+from dspark.errors import DSparkError, describe_os_error
+from dspark.files import read_json, write_text_atomic
+from dspark.resolve import CacheUnwritable, cache_dir
 
 _SEEN_FILE = "verified-files.json"
 _SEEN_LIMIT = 512  # file versions remembered
@@ -35,9 +35,12 @@ def _version(path: Path) -> str:
 
 def _seen() -> dict[str, str]:
     try:
-        raw = json.loads((cache_dir() / _SEEN_FILE).read_text())
-        return raw if isinstance(raw, dict) else {}
-    except (OSError, ValueError):
+        path = cache_dir() / _SEEN_FILE  # a DSPARK_CACHE naming a file is said (DSparkError), not ignored
+    except CacheUnwritable:
+        return {}
+    try:
+        return read_json(path, kind=dict)
+    except DSparkError:  # none yet, or damaged: hashed again and rewritten
         return {}
 
 
@@ -56,6 +59,31 @@ def file_sha256(path: Path, full: bool = False) -> str:
     return digest
 
 
+def read_onnx(path: Path, label: str | None = None):
+    """The ModelProto of the ONNX file `path`, its external data left where it is: a DSparkError line naming the
+    file when it cannot be read, is empty, or is not an ONNX model (cut short, damaged, another kind of file).
+    Every reader of a graph file goes through here (onnx: the export extra)."""
+    import onnx  # dspark-export's dependency; the runtime reads graphs through ONNX Runtime
+
+    path, label = Path(path), label or str(path)
+    how = "re-export the bundle or copy it again"
+    try:
+        if path.stat().st_size == 0:
+            raise DSparkError(f"{label} is empty, not an ONNX graph: {how}")
+        model = onnx.load(str(path), load_external_data=False)
+    except DSparkError:
+        raise
+    except OSError as e:
+        raise DSparkError(f"cannot read {label}: {describe_os_error(e)}") from None
+    except Exception as e:  # protobuf's DecodeError, and what else a damaged file makes onnx raise
+        raise DSparkError(f"{label} is not an ONNX graph ({type(e).__name__}): it is damaged, cut short or another "
+                          f"kind of file; {how}") from None
+    if not model.HasField("graph") or model.ir_version <= 0 or not model.graph.node:
+        raise DSparkError(f"{label} is not an ONNX graph (no graph with nodes in it): it is damaged, cut short or "
+                          f"another kind of file; {how}")
+    return model
+
+
 def data_records(folder: Path, names: list[str]) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} of the data files among `names` that exist in folder."""
     records = {}
@@ -69,7 +97,8 @@ def data_records(folder: Path, names: list[str]) -> dict[str, dict]:
 def check_file(path: Path, label: str, want_sha256: str, want_bytes: int | None = None, full: bool = False) -> None:
     """DSparkError in one line if `path` is missing, of another size, or holds other bytes than recorded."""
     if not path.is_file():
-        raise DSparkError(f"{label} is missing from the bundle ({path}); re-export it")
+        what = "is not a file" if path.exists() else "is missing from the bundle"
+        raise DSparkError(f"{label} {what} ({path}); re-export the bundle or copy it again")
     if want_bytes is not None and path.stat().st_size != want_bytes:
         raise DSparkError(f"{label} is {path.stat().st_size} bytes, the manifest records {want_bytes}: the bundle "
                           f"is damaged or half-copied; copy it again or re-export it")

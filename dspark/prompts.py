@@ -2,12 +2,11 @@
 and where the project's dev prompts are."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from dspark.errors import DSparkError
-from dspark.files import read_text
+from dspark.files import parse_json, read_text
 
 DEV_PROMPTS_ENV = "DSPARK_DEV_PROMPTS"
 # beside a checkout of this repository: <workspace>/shared/data/prompts/dev.jsonl next to <workspace>/<repo>/
@@ -25,10 +24,7 @@ def read_prompts(path: Path, limit: int | None = None, domain: str | None = None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise DSparkError(f"{path}:{i} is not valid JSON") from None
+        row = parse_json(line, f"{path}:{i}")
         if isinstance(row, dict) and "prompt" not in row and "turns" in row:
             turns = row["turns"]
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):

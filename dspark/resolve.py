@@ -5,7 +5,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, describe_os_error
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -48,7 +48,26 @@ def resolve_draft(name_or_path: str) -> Path:
     return path
 
 
+CACHE_ENV = "DSPARK_CACHE"
+
+
+class CacheUnwritable(DSparkError):
+    """The cache folder cannot be made (a read-only home): what only speeds a run up is skipped, not refused."""
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
-    root.mkdir(parents=True, exist_ok=True)
+    """$DSPARK_CACHE (unset or empty: ~/.cache/dspark), made if missing. DSparkError naming it if it is not a
+    folder (a file, or a path through a file); CacheUnwritable if it cannot be made."""
+    env = os.environ.get(CACHE_ENV, "")
+    root = Path(os.path.expanduser(env)) if env.strip() else Path.home() / ".cache" / "dspark"
+    what = f"{CACHE_ENV}={env}" if env.strip() else f"the dspark cache folder {root}"
+    blocker = next((p for p in (root, *root.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file" if blocker == root else f"lies under the file {blocker}"
+        raise DSparkError(f"{what} {where}, not a folder: point {CACHE_ENV} at a folder (or unset it)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheUnwritable(f"cannot make {what}: {describe_os_error(e)}; point {CACHE_ENV} at a folder you can "
+                              f"write") from None
     return root

@@ -16,10 +16,7 @@ from dspark.schema import contained, is_int
 def _load_json(path: Path) -> dict:
     if not path.exists():
         return {}
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise DSparkError(f"{path} is not a JSON object")
-    return raw
+    return read_json(path, kind=dict)
 
 
 def _token_text(value) -> str | None:

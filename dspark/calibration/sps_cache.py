@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from dspark.errors import DSparkError
-from dspark.files import write_text_atomic
-from dspark.resolve import cache_dir
+from dspark.files import read_json, write_text_atomic
+from dspark.resolve import CacheUnwritable, cache_dir
 
 KIND = "sps"
 
@@ -37,8 +37,12 @@ def entry_path(rt) -> Path:
 def load(rt) -> dict | None:
     """The cached profile of this bundle on this machine, or None (none yet, or unreadable)."""
     try:
-        raw = json.loads(entry_path(rt).read_text())
-    except (OSError, ValueError):
+        path = entry_path(rt)  # a DSPARK_CACHE naming a file is said (DSparkError), not ignored
+    except CacheUnwritable:
+        return None
+    try:
+        raw = read_json(path)
+    except DSparkError:  # none yet, or damaged: profiled again
         return None
     table = raw.get("sps_table") if isinstance(raw, dict) else None
     if not isinstance(table, list) or not table or not all(isinstance(x, (int, float)) and x > 0 for x in table):
@@ -48,9 +52,9 @@ def load(rt) -> dict | None:
 
 def store(rt, result: dict) -> None:
     """Keep `result` (dspark.calibration.sps.profile's) for the next run; a read-only cache only costs a profile."""
-    path = entry_path(rt)
     try:
+        path = entry_path(rt)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(result))
-    except (OSError, DSparkError):
+    except (OSError, CacheUnwritable):
         pass

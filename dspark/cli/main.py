@@ -70,10 +70,11 @@ def export_cli():
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab, precision, force, no_check, quiet):
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
-    from dspark.export.trace.onnx_export import check_replaceable, export_bundle
+    from dspark.export.trace.onnx_export import check_draft_vocab, check_replaceable, export_bundle
     from dspark.export.trace.progress import Progress
 
     check_replaceable(output, force)
+    check_draft_vocab(draft, draft_vocab)  # before minutes of loading the target
     progress = Progress(5 if no_check else 6, quiet)
     with progress.step(f"loading target {target} and draft {draft}"):
         from dspark.models.pair import load_pair
@@ -135,7 +136,7 @@ def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
         from dspark.bundle import Manifest
         from dspark.export.check.trt_lint import lint_bundle
 
-        findings = [asdict(f) for f in lint_bundle(bundle, Manifest.read(bundle))]
+        findings = [asdict(f) for f in lint_bundle(bundle, Manifest.read_checked(bundle))]
         if as_json:
             click.echo(json.dumps({"bundle": str(bundle), "trt_lint": findings, "passed": not findings}))
         else:

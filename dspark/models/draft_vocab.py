@@ -18,6 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dspark.errors import DSparkError
+from dspark.files import read_json
+from dspark.schema import is_int
 
 FILE = "draft_vocab.json"
 FORMAT = "dspark-draft-vocab/1"
@@ -42,12 +44,11 @@ def read_ranking(folder: Path, vocab_size: int) -> list[int]:
     if not path.exists():
         raise DSparkError(f"{folder} has no {FILE} (a token ranking for --draft-vocab); `dspark train` writes one "
                           f"from its responses, or drop --draft-vocab")
-    try:
-        raw = json.loads(path.read_text())
-        ranked = [int(t) for t in raw["ranked_ids"]]
-        ok = raw.get("format") == FORMAT and int(raw["vocab_size"]) == vocab_size
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
-        raise DSparkError(f"{path} is not a dspark draft-vocabulary file") from None
+    raw = read_json(path, kind=dict)
+    ranked, size = raw.get("ranked_ids"), raw.get("vocab_size")
+    if not (isinstance(ranked, list) and all(is_int(t) for t in ranked) and is_int(size)):
+        raise DSparkError(f"{path} is not a dspark draft-vocabulary file")
+    ok = raw.get("format") == FORMAT and size == vocab_size
     if not ok or any(not 0 <= t < vocab_size for t in ranked):
         raise DSparkError(f"{path} does not describe this target's {vocab_size}-token vocabulary")
     return ranked

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils import parametrize
 
 from dspark.errors import DSparkError
+from dspark.files import read_json
+from dspark.schema import is_int
 from dspark.models.checkpoint import check_draft_folder, load_draft
 from dspark.models.config import draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
@@ -95,8 +96,15 @@ def choose_mask_token(loaded: LoadedTarget) -> int:
     """DeepSpec uses an embedding row the tokenizer never emits (Qwen3: the first id past the tokenizer).
     Where the tokenizer fills the vocabulary, take its highest special token that is not a chat/stop marker."""
     vocab = loaded.config.vocab_size
-    tok = json.loads((loaded.folder / "tokenizer.json").read_text())
-    n_tokens = len(tok["model"]["vocab"]) + sum(1 for t in tok.get("added_tokens", []) if t["id"] >= len(tok["model"]["vocab"]))
+    path = loaded.folder / "tokenizer.json"
+    tok = read_json(path, kind=dict)
+    model, added = tok.get("model"), tok.get("added_tokens") or []
+    words = model.get("vocab") if isinstance(model, dict) else None
+    if not isinstance(words, (dict, list)) or not isinstance(added, list) \
+            or not all(isinstance(t, dict) and is_int(t.get("id")) and isinstance(t.get("content"), str) for t in added):
+        raise DSparkError(f"{path} has no model.vocab, or added_tokens without ids: a random drafter cannot choose "
+                          f"its mask token; give a draft checkpoint whose config.json sets mask_token_id")
+    n_tokens = len(words) + sum(1 for t in added if t["id"] >= len(words))
     if n_tokens < vocab:
         return n_tokens
     template = ""
@@ -105,12 +113,13 @@ def choose_mask_token(loaded: LoadedTarget) -> int:
             template = (loaded.folder / name).read_text()
     reserved = {loaded.hf_model.config.bos_token_id, loaded.hf_model.config.eos_token_id,
                 loaded.hf_model.config.pad_token_id}
-    specials = [t for t in tok.get("added_tokens", []) if t.get("special") and t["id"] not in reserved
+    specials = [t for t in added if t.get("special") and t["id"] not in reserved
                 and t["content"] not in template]
     if not specials:
         raise DSparkError(f"no spare token for the draft's mask slot: the tokenizer uses all {vocab} ids of the "
                           "vocabulary and has no unused special token; name one the tokenizer never emits with "
-                          "`dspark train --mask-token-id ID`")
+                          "`dspark train --mask-token-id ID`, or give a draft checkpoint whose config.json sets "
+                          "mask_token_id")
     return max(t["id"] for t in specials)
 
 

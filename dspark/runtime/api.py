@@ -75,8 +75,7 @@ class Runtime:
             raise DSparkError(f"bundle must be a folder path, not {type(bundle).__name__}")
         self.folder = Path(bundle)
         self.threads = threads
-        self.manifest = Manifest.read(self.folder)
-        self.manifest.check_files(self.folder)  # a damaged graph or weights file never decodes
+        self.manifest = Manifest.read_checked(self.folder)  # a damaged graph or weights file never decodes
         self.tokenizer = ChatTokenizer(self.folder, confined=True)
         self.gates = GateMemory()  # what the draft gate learned (costs, survival, back-off) outlives one decode
         if isinstance(backend, Backend):

@@ -23,6 +23,9 @@ from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, T
 KINDS = ("ar", "all", "fixed", "static", "schedule", "topk")
 
 
+MAX_GAMMA = 1024  # the largest block a bundle may draft (dspark.bundle: draft.block_size)
+
+
 @dataclass
 class VerifyPolicy:
     kind: str = "all"
@@ -35,8 +38,9 @@ class VerifyPolicy:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise DSparkError(f"unknown verification policy {self.kind!r} (choose from {', '.join(KINDS)})")
-        if self.kind == "fixed" and (self.gamma is None or self.gamma < 0):
-            raise DSparkError("the fixed policy needs gamma >= 0")
+        if self.kind == "fixed" and (self.gamma is None or not 0 <= self.gamma <= MAX_GAMMA):
+            raise DSparkError(f"the fixed policy needs gamma in 0..{MAX_GAMMA} (drafts verified per round, at most a "
+                              f"block), not {self.gamma}")
         if self.kind == "ar" and self.gate:
             raise DSparkError("'ar' never drafts, so it takes no '+gate'")
 

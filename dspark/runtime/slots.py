@@ -70,7 +70,7 @@ class Slots:
         self.kv = backend.kv_cache(t["num_layers"], batch, t["num_kv_heads"], capacity, t["head_dim"], "target")
         self.draft_kv = backend.kv_cache(d["num_layers"], batch, d["num_kv_heads"], capacity, d["head_dim"],
                                          "draft", prefix="draft_past")
-        self.ctx = backend.context_rows(batch, manifest.graphs["verifier"].outputs[2].shape[-1])
+        self.ctx = backend.context_rows(batch, manifest.tap_features)
         self.slots = [Slot() for _ in range(batch)]
         self.queue: deque[SlotRequest] = deque()
         self.temperature = np.zeros(batch, dtype=np.float32)

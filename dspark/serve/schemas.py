@@ -44,6 +44,14 @@ class SamplingFields(BaseModel):
     frequency_penalty: Literal[0, 0.0] = 0.0
     logprobs: None | Literal[False] = None
 
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        """A JSON number: pydantic's float would take true and "0.5" (a client's bug, not a temperature)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"Input should be a number, not {type(value).__name__}")
+        return value
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

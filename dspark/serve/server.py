@@ -4,6 +4,8 @@ is left (each such client gets an error), then exit 0."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import sys
 import threading
 from contextlib import asynccontextmanager
@@ -35,9 +37,51 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), made here rather than by uvicorn, so that a host that does
+    not resolve or a port in use is one DSparkError line before anything loads (uvicorn logs those and exits 1)."""
+    if not host.strip():
+        raise DSparkError("--host is empty: give an address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError) as e:  # gaierror, an IDNA label too long, a NUL in the name
+        why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e) or type(e).__name__
+        raise DSparkError(f"--host {host!r:.80} is not an address this machine can listen on ({why}): give an IP "
+                          f"address or a name that resolves (127.0.0.1 by default)") from None
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in found:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+            sock.bind(address)
+            sock.set_inheritable(True)
+            return sock
+        except OSError as e:
+            sock.close()
+            errors.append(e)
+    e = errors[0] if errors else OSError(errno.EADDRNOTAVAIL, "no address")
+    if e.errno == errno.EADDRINUSE:
+        raise DSparkError(f"port {port} on {host} is in use by another program: choose another --port (--port 0 "
+                          f"takes a free one)")
+    if e.errno == errno.EACCES:
+        raise DSparkError(f"not allowed to listen on port {port} of {host} (ports below 1024 need privileges): "
+                          f"choose --port 1024 or above")
+    if e.errno == errno.EADDRNOTAVAIL:
+        raise DSparkError(f"--host {host} is not an address of this machine: give one of its addresses "
+                          f"(127.0.0.1; 0.0.0.0 for every interface)")
+    raise DSparkError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
 def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", access_log: bool = True) -> None:
     state = ServerState(config)
     server: DrainingServer | None = None
+    sock = listening_socket(host, port)
+    url = url_of(sock)
 
     def load() -> None:
         try:
@@ -45,8 +89,7 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
             if not state.ready.is_set():  # stopped while loading
                 return
             also = f" (also accepted: {', '.join(config.aliases)})" if config.aliases else ""
-            print(f"dspark serve: {config.model_name} ready on http://{host}:{port}{also}", file=sys.stderr,
-                  flush=True)
+            print(f"dspark serve: {config.model_name} ready on {url}{also}", file=sys.stderr, flush=True)
         except DSparkError:  # state.load_error holds it: serve() raises it once uvicorn has stopped
             server.should_exit = True
         except Exception as e:  # a loader that dies must not leave a server answering 503 forever
@@ -74,6 +117,9 @@ def serve(config: ServeConfig, host: str, port: int, log_level: str = "info", ac
                                limit_concurrency=config.max_connections,
                                timeout_graceful_shutdown=int(config.grace) + 5, timeout_keep_alive=5)
     server = DrainingServer(uv_config, state)
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if state.load_error is not None:
         raise DSparkError(state.load_error)

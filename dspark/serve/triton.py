@@ -80,6 +80,12 @@ def write_repository(model: TritonModel, repository: Path, force: bool = False) 
     Manifest.read(Path(model.bundle))  # a bundle, or one line saying why not
     if not model.name.replace("-", "").replace("_", "").isalnum():
         raise DSparkError(f"model name {model.name!r}: use letters, digits, '-' and '_'")
+    if Path(repository).exists() and not Path(repository).is_dir():
+        raise DSparkError(f"--output {repository} is a file, not a model repository folder")
+    env = model.python_env
+    if env is not None and not (Path(env).is_dir() or (Path(env).is_file() and Path(env).name.endswith(".tar.gz"))):
+        raise DSparkError(f"--python-env {env} is not a folder (an environment with dspark installed) nor a .tar.gz "
+                          f"of one")
     folder = Path(repository) / model.name
     if folder.exists() or folder.is_symlink():
         if not force:

@@ -8,7 +8,6 @@ batch slots. Runs inside Triton's Python backend stub (EXECUTION_ENV_PATH: an en
 Inputs: text_input (a prompt, through the chat template) or prompt_ids (token ids, as they are); optional
 max_tokens, temperature, seed. Outputs: text_output (a piece), token_ids (the piece's ids), finish_reason.
 """
-import json
 import sys
 import threading
 from pathlib import Path
@@ -16,9 +15,38 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from dspark.errors import DSparkError
+from dspark.files import parse_json
 from dspark.runtime.api import Runtime
 from dspark.runtime.engine import Engine, EngineOptions
 from dspark.runtime.engine_request import Delta, RequestOptions
+
+
+def parameters(model_config: str) -> dict[str, str]:
+    """The model's parameters from Triton's model_config JSON (config.pbtxt as Triton parsed it): a repository
+    edited by hand gets one line naming what is wrong, not a traceback in Triton's log."""
+    config = parse_json(model_config, "the Triton model configuration", dict)
+    raw = config.get("parameters") or {}
+    if not isinstance(raw, dict):
+        raise DSparkError("config.pbtxt: parameters must be a map of names to {string_value: ...}")
+    params = {}
+    for key, value in raw.items():
+        if not isinstance(value, dict) or not isinstance(value.get("string_value"), str):
+            raise DSparkError(f"config.pbtxt: parameter {key!r} has no string_value")
+        params[key] = value["string_value"]
+    if not params.get("bundle"):
+        raise DSparkError("config.pbtxt: the parameter 'bundle' (the bundle folder) is missing")
+    return params
+
+
+def _count(params: dict[str, str], key: str, default, lo: int = 1):
+    """A whole-number parameter (absent or empty: `default`)."""
+    text = params.get(key, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < lo:
+        raise DSparkError(f"config.pbtxt: parameter {key!r} is {text!r:.40}, not a whole number >= {lo}")
+    return int(text)
 
 
 def _scalar(request, name, default):
@@ -35,16 +63,15 @@ def _response(text: str, token_ids: list, finish_reason: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = parameters(args["model_config"])
         bundle = Path(params["bundle"])
         if not bundle.is_absolute():
             bundle = Path(args["model_repository"]) / args["model_version"] / bundle
-        self.runtime = Runtime(bundle, threads=int(params["threads"]) if params.get("threads") else None)
+        self.runtime = Runtime(bundle, threads=_count(params, "threads", None))
         slots = params.get("batch_size", "auto")
-        options = EngineOptions(batch_size=None if slots == "auto" else int(slots), policy=params.get("policy"),
-                                max_queue=int(params.get("max_queue", 64)),
-                                max_context=int(params["max_context"]) if params.get("max_context") else None)
+        options = EngineOptions(batch_size=None if slots == "auto" else _count(params, "batch_size", None),
+                                policy=params.get("policy"), max_queue=_count(params, "max_queue", 64, lo=0),
+                                max_context=_count(params, "max_context", None))
         self.engine = Engine(self.runtime, options).start()
         print(f"dspark model {args['model_name']}: {self.engine.choice.summary()}", file=sys.stderr, flush=True)
         self.runtime.backend.prepare(self.engine.batch)  # loaded before Triton says the model is ready

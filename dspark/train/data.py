@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from dspark.errors import DSparkError
+from dspark.files import parse_json, read_text
+from dspark.prompts import read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.observers import TapsLog
 from dspark.tokenizer import ChatTokenizer
@@ -49,10 +51,10 @@ def read_responses(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
+    for i, line in enumerate(read_text(path).split("\n"), 1):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interrupted run: ignore it, it is regenerated
+            out.append(parse_json(line, f"{path}:{i}", dict))
+        except DSparkError:  # a line cut by an interrupted run: ignore it, it is regenerated
             continue
     return out
 
@@ -101,10 +103,8 @@ def import_responses(src: Path, out_path: Path, rows: list[dict], encode_chat) -
     the cache at out_path; prompts already there keep their own. Each one must be the answer to the same prompt
     of the same prompts file with the same tokenizer. Returns how many were added (their taps: compute_taps)."""
     done = {r["index"] for r in read_responses(out_path)}
-    try:
-        incoming = [json.loads(line) for line in Path(src).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DSparkError(f"cannot read responses from {src}: {e}") from None
+    incoming = [parse_json(line, f"responses file {src}:{i}")
+                for i, line in enumerate(read_text(src, f"responses file {src}").splitlines(), 1) if line.strip()]
     added = []
     for r in incoming:
         if not isinstance(r, dict) or not {"index", "prompt_ids", "response_ids", "tap_ids"} <= r.keys():
@@ -156,7 +156,7 @@ def check_prompts(rows: list[dict], dev_path: Path | None) -> None:
     """Refuse to train on the benchmark prompts."""
     if dev_path is None or not dev_path.exists():
         return
-    dev = {json.loads(line)["prompt"] for line in dev_path.read_text(encoding="utf-8").split("\n") if line.strip()}
+    dev = {row["prompt"] for row in read_prompts(dev_path)}
     overlap = sum(r["prompt"] in dev for r in rows)
     if overlap:
         raise DSparkError(f"{overlap} training prompts are dev prompts; never train on the benchmark set")

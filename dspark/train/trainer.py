@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, first_line
+from dspark.files import parse_json
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.target import TargetModel
 from dspark.train.data import read_responses, save_shared
@@ -287,8 +288,21 @@ class Trainer:
         path = self.out / STATE
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=True, map_location=self.device)  # tensors, lists, strings only
-        saved = json.loads(state["config"])
+        try:
+            state = torch.load(path, weights_only=True, map_location=self.device)  # tensors, lists, strings only
+        except Exception as e:  # a damaged or foreign file: torch and pickle raise many types
+            raise DSparkError(f"{path} is not a training state `dspark train` can resume ({type(e).__name__}: "
+                              f"{first_line(e, 120)}); use a new --output or remove it") from None
+        missing = [k for k in ("config", "model", "opt", "step", "rng", "history") if not isinstance(state, dict)
+                   or k not in state]
+        if missing:
+            raise DSparkError(f"{path} is not a training state `dspark train` can resume (no {missing[0]}); use a "
+                              f"new --output or remove it")
+
+        def parsed(key: str, kind: type):
+            return parse_json(state[key], f"{path}: {key}", kind)
+
+        saved = parsed("config", dict)
         defaults = asdict(TrainConfig())  # a setting added after the state was written had its default then
         saved = {k: saved.get(k, d) for k, d in defaults.items()}
         diff = {k: (saved[k], v) for k, v in asdict(self.cfg).items() if saved[k] != v}
@@ -297,15 +311,15 @@ class Trainer:
         self.drafter.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step = int(state["step"])
-        self.rng.bit_generator.state = json.loads(state["rng"])
-        if "orders" in state:
-            self.orders, self.cursors = json.loads(state["orders"]), json.loads(state["cursors"])
+        self.rng.bit_generator.state = parsed("rng", dict)
+        if "orders" in state and "cursors" in state:
+            self.orders, self.cursors = parsed("orders", dict), parsed("cursors", dict)
         else:  # written before domain pools: one pool
             self.orders, self.cursors = {"": list(state["order"])}, {"": int(state["cursor"])}
         if self.orders.keys() != self.pools.keys():
             raise DSparkError(f"{path} was written for domains {sorted(self.orders)}, the data now has "
                               f"{sorted(self.pools)}; use a new --output")
-        self.history = json.loads(state["history"])
+        self.history = parsed("history", list)
         return True
 
     def run(self, progress: bool = True, log=None) -> list[dict]:

@@ -24,6 +24,7 @@ import onnx_ir as ir
 from dspark.bundle import GRAPHS, Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder
+from dspark.integrity import read_onnx
 from dspark.export.trace.passes import cast_matmuls
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.ops.kernels import archs_for, build_kernel
@@ -82,7 +83,9 @@ def register_plugin(trt, library: Path | None) -> dict:
 
 def build_copy(bundle: Path, spec_file: str, work: Path, precision: str, api: TrtApi) -> Path:
     """The ONNX file the parser reads: dspark function bodies removed, matmuls cast when strongly typed."""
-    model = ir.load(str(Manifest.path(bundle, spec_file)))
+    path = Manifest.path(bundle, spec_file)
+    model = ir.serde.deserialize_model(read_onnx(path, spec_file))
+    ir.external_data.set_base_dir(model.graph, path.parent)
     for key in [k for k in model.functions if k[0] == DOMAIN]:
         del model.functions[key]
     if api.plan(precision)["cast_graph"]:
@@ -99,7 +102,7 @@ def build_engines(bundle: Path, precision: str = "fp16", max_batch: int = 8, max
     options = BuildOptions(precision, max_batch, max_context, version_compatible, timing_cache, plugin, work_dir,
                            workspace_gb, **more)
     bundle = Path(bundle)
-    manifest = Manifest.read(bundle)
+    manifest = Manifest.read_checked(bundle)
     if reason := not_buildable(manifest):
         raise DSparkError(f"{bundle} is not buildable for TensorRT, because {reason}")
     flavor = resolve_flavor(options.flavor)

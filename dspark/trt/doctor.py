@@ -96,9 +96,13 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
     manifest = Manifest.read(bundle)
     report.add("bundle", "ok", f"format {manifest.format_version}, block {manifest.block_size}, graphs "
                f"{', '.join(manifest.graphs)}")
-    _file_integrity(report, bundle, manifest)
+    intact = _file_integrity(report, bundle, manifest)
     reason = not_buildable(manifest)
-    _onnx_checks(report, bundle, manifest, lint=reason is None)
+    if intact:
+        _onnx_checks(report, bundle, manifest, lint=reason is None)
+    else:  # nothing reads a graph or data file already found damaged
+        for name in ("TensorRT operator lint",) * (reason is None) + ("ONNX Runtime vs PyTorch reference",):
+            report.add(name, "skipped", "the bundle's files are damaged (see above)")
     has_gpu, gpu = _gpu()
     report.add("GPU", "ok" if has_gpu else "skipped", gpu)
     flavor = flavor or manifest.tensorrt.get("flavor")
@@ -107,6 +111,10 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
     if reason:  # a CPU bundle: said once, not a failure
         report.add("TensorRT build", "note", f"this bundle is not buildable for TensorRT, because {reason}; "
                    f"{BUILDABLE_HOW}")
+        return report
+    if not intact:
+        for name in ("engine build with the plugin layer",) * build + GPU_CHECKS:
+            report.add(name, "skipped", "the bundle's files are damaged (see above)")
         return report
     if build:
         manifest = _build(report, bundle, manifest, plugin, flavor, has_gpu and has_trt, has_trt)
@@ -126,20 +134,22 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
     return report
 
 
-def _file_integrity(report: DoctorReport, bundle: Path, manifest: Manifest) -> None:
-    """Every graph and recorded data file hashed again (loading a bundle trusts the hashes of files it checked)."""
+def _file_integrity(report: DoctorReport, bundle: Path, manifest: Manifest) -> bool:
+    """Every graph and recorded data file hashed again (loading a bundle trusts the hashes of files it checked);
+    False when one is damaged."""
     name = "files (sha256 of every graph and data file)"
     try:
         manifest.check_files(bundle, full=True)
     except DSparkError as e:
         report.add(name, "fail", str(e))
-        return
+        return False
     unrecorded = [n for n in manifest.data_names() if (bundle / n).is_file() and n not in manifest.data_files]
     if unrecorded:
         report.add(name, "note", f"graphs ok; {', '.join(unrecorded)} has no size and sha256 in the manifest "
                    f"(written by an older dspark): re-export the bundle to have it checked")
     else:
         report.add(name, "ok", f"{len(manifest.graphs)} graphs, {len(manifest.data_files)} data files")
+    return True
 
 
 def _build(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None, flavor: str | None,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.bundle import Manifest
+from dspark.bundle import Manifest, check_reference
+from dspark.files import read_json
 from dspark.export.check.parity import CAPTURE, CHECK_DIR, compare_outputs
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import Backend, create_backend
@@ -55,7 +56,8 @@ def engine_parity(bundle: Path, manifest: Manifest, backend: Backend, reference:
 def greedy_decoding(bundle: Path, backends: dict[str, Backend]) -> list[Row]:
     """The recorded greedy decode on each backend (after a warm-up: allocations, profiles, graph capture): tokens
     equal to ONNX Runtime's, and the speed."""
-    expected = json.loads((bundle / CHECK_DIR / "expected.json").read_text())
+    check_reference(bundle)
+    expected = read_json(bundle / CHECK_DIR / "expected.json")
     prompt, n = expected["prompt_ids"], expected["max_new_tokens"]
     runs = {}
     for label, backend in backends.items():

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-
 from dspark.bundle import GraphSpec
+from dspark.integrity import read_onnx
 from dspark.ops.confidence_truncate.onnx_function import DOMAIN
 from dspark.trt.profiles import Profile
 
@@ -46,14 +45,14 @@ def plugin_layers(trt, network) -> list[str]:
 
 
 def dspark_nodes(path: Path) -> int:
-    model = onnx.load(str(path), load_external_data=False)
+    model = read_onnx(path)
     return sum(1 for node in model.graph.node if node.domain == DOMAIN)
 
 
 def node_problems(path: Path, declaration) -> list[str]:
     """dspark nodes the plugin cannot stand for. The parser hands a plugin only the node attributes its creator
     declares and drops the rest silently, so an attribute the plugin does not declare is refused here."""
-    model = onnx.load(str(path), load_external_data=False)
+    model = read_onnx(path)
     versions = {opset.domain: opset.version for opset in model.opset_import}
     problems = []
     if any(node.domain == DOMAIN for node in model.graph.node) and versions.get(DOMAIN) != int(declaration.version):

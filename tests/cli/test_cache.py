@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -77,3 +78,41 @@ def test_clear_tidies_temporaries_of_killed_writers(cache):
     left.lock_fd = None
     cleared = CliRunner().invoke(main_cli, ["cache", "clear", "-y"])
     assert cleared.exit_code == 0 and not left.path.exists() and not left.lock.exists()
+
+
+def test_an_empty_dspark_cache_means_the_default_folder(tmp_path, monkeypatch):
+    from dspark.resolve import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", "  "):
+        monkeypatch.setenv("DSPARK_CACHE", empty)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "dspark"  # not the current folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_dspark_cache_naming_a_file_is_one_line_naming_it(tmp_path, monkeypatch, tiny_bundle_v6, under):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    monkeypatch.setenv("DSPARK_CACHE", str(mine / "cache" if under else mine))
+    for args in (["cache", "list"], ["cache", "clear", "--yes"],
+                 ["run", str(tiny_bundle_v6[3]), "--prompt", "w1", "--max-new-tokens", "2"]):
+        res = CliRunner().invoke(main_cli, args)
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1, (args, res.output)
+        assert lines[0].startswith("error: DSPARK_CACHE=") and str(mine) in lines[0] and "not a folder" in lines[0]
+    assert mine.read_text() == "mine"
+
+
+def test_an_unwritable_cache_folder_only_costs_the_cache(monkeypatch, tiny_bundle_v6):
+    """A cache that cannot be made (a read-only home) still runs a bundle: its file hashes are not remembered."""
+    from dspark.resolve import CacheUnwritable, cache_dir
+
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc, where nobody (root included) makes folders")
+    monkeypatch.setenv("DSPARK_CACHE", "/proc/dspark-cache-test")
+    with pytest.raises(CacheUnwritable, match="cannot make DSPARK_CACHE=/proc/dspark-cache-test"):
+        cache_dir()
+    res = CliRunner().invoke(main_cli, ["run", str(tiny_bundle_v6[3]), "--prompt", "w1", "--max-new-tokens", "2"])
+    assert res.exit_code == 0, res.output

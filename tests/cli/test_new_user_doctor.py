@@ -130,3 +130,21 @@ def test_the_demo_converts_without_check_data_and_says_what_its_silent_pass_is(b
                                         "4"])
     assert res.exit_code == 0, res.output
     assert res.output.count("decoding the same prompt autoregressively, for the comparison") == 2
+
+
+@pytest.mark.parametrize("damage", ["cut short", "emptied", "one byte changed"])
+def test_doctor_reads_no_graph_it_found_damaged(bundle, damage):
+    """The files check fails, and no ONNX check parses the damaged graph (the lint used to, and ended the doctor on
+    a protobuf error reported as an internal error)."""
+    path = bundle / "verifier.onnx"
+    data = path.read_bytes()
+    path.write_bytes({"cut short": data[:len(data) // 2], "emptied": b"",
+                      "one byte changed": data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]}[damage])
+    before = snapshot(bundle)
+    res = CliRunner().invoke(main_cli, ["doctor", str(bundle)])
+    assert res.exit_code == 1, res.output
+    assert "[FAIL] files (sha256 of every graph and data file): verifier.onnx (verifier graph)" in res.output
+    assert "[skip] ONNX Runtime vs PyTorch reference: the bundle's files are damaged" in res.output
+    assert "[skip] TensorRT operator lint: the bundle's files are damaged" in res.output
+    assert "internal error" not in res.output and "Traceback" not in res.output
+    assert snapshot(bundle) == before

@@ -222,6 +222,100 @@ def _(b, t):
     return run(t / "nope")
 
 
+# --- manifest sizes against the graphs' declared shapes (issue 42, re-audit): refused when the bundle is read ------
+SIZE_EDITS = {
+    "manifest draft.num_layers missing": setter("draft", "num_layers", DELETE),
+    "manifest draft.head_dim missing": setter("draft", "head_dim", DELETE),
+    "manifest draft.num_layers disagrees with the draft graph": setter("draft", "num_layers", 2),
+    "manifest draft.num_kv_heads disagrees with the draft graph": setter("draft", "num_kv_heads", 3),
+    "manifest draft.hidden_size disagrees with the heads graph": setter("draft", "hidden_size", 16),
+    "manifest target.num_layers huge": setter("target", "num_layers", 10 ** 12),
+    "manifest target.vocab_size huge": setter("target", "vocab_size", 10 ** 30),
+    "manifest target.vocab_size one more than the graphs'": setter("target", "vocab_size", 7),
+    "manifest format_version true": setter("format_version", True),
+    "manifest precision unknown": setter("precision", "fp8"),
+    "manifest quantized record a number": setter("quantized", {"heads": 8}),
+    "manifest quantized gguf_blocks a list": setter("quantized", {"verifier": {"bits": 4, "gguf_blocks": [1]}}),
+    "manifest draft.target_layer_ids more taps than the verifier gives": setter("draft", "target_layer_ids", [-1, 0]),
+}
+for _name, _change in SIZE_EDITS.items():
+    case(_name)(lambda b, _t, change=_change: (edit_manifest(b, change), run(b))[1])
+
+
+def _retyped(graph_side_tensor_axis: list[tuple], value):
+    def change(raw):
+        for graph, side, name, axis in graph_side_tensor_axis:
+            for tensor in raw["graphs"][graph][side]:
+                if tensor["name"] == name:
+                    tensor["shape"][axis] = value
+    return change
+
+
+@case("manifest taps features an axis name in both graphs")
+def _(b, t):
+    edit_manifest(b, _retyped([("verifier", "outputs", "taps", 2), ("draft", "inputs", "ctx_features", 2)], "feat"))
+    return run(b)
+
+
+@case("manifest verifier draft_probs vocabulary disagrees with the heads'")
+def _(b, t):
+    edit_manifest(b, _retyped([("verifier", "inputs", "draft_probs", 2)], 9))
+    return run(b)
+
+
+# --- graph files read by the export commands: integrity first, one line naming the file -----------------------
+def _cut(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+@case("check --lint-only with a graph cut short")
+def _(b, t):
+    _cut(b / "heads.onnx")
+    return Cli(export_cli, ["check", "--lint-only", b])
+
+
+@case("check --lint-only with an empty graph the manifest records no hash of")
+def _(b, t):
+    (b / "verifier.onnx").write_bytes(b"")
+    edit_manifest(b, setter("graphs", "verifier", "sha256", ""))
+    return Cli(export_cli, ["check", "--lint-only", b])
+
+
+@case("check --lint-only with a PNG as a graph the manifest records no hash of")
+def _(b, t):
+    (b / "draft.onnx").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    edit_manifest(b, setter("graphs", "draft", "sha256", ""))
+    return Cli(export_cli, ["check", "--lint-only", b])
+
+
+@case("fuse --rebuild with weights.data cut short")
+def _(b, t):
+    _cut(b / "weights.data", 0.9)
+    return Cli(export_cli, ["fuse", b, "--rebuild"])
+
+
+@case("quantize with one byte of weights.data changed")
+def _(b, t):
+    data = bytearray((b / "weights.data").read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (b / "weights.data").write_bytes(bytes(data))
+    return Cli(export_cli, ["quantize", b, "--min-elements", "0"])
+
+
+@case("quantize with a foreign graph the manifest records no hash of")
+def _(b, t):
+    (b / "heads.onnx").write_text("<html>not a graph</html>")
+    edit_manifest(b, setter("graphs", "heads", "sha256", ""))
+    return Cli(export_cli, ["quantize", b, "--min-elements", "0"])
+
+
+@case("build with a graph cut short")
+def _(b, t):
+    _cut(b / "draft.onnx")
+    return Cli(export_cli, ["build", b, "--flavor", "rtx"])
+
+
 # --- tokenizer and chat template ---------------------------------------------------------------------------
 @case("tokenizer.json garbage")
 def _(b, t):
@@ -331,6 +425,7 @@ for _name, _extra in {
     "run --ar --threshold": ["--ar", "--threshold", "0.5"],
     "run --threshold-rule unknown": ["--threshold-rule", "last"],
     "run --backend unknown": ["--backend", "cuda"],
+    "run --policy fixed: a 20-digit gamma": ["--policy", "fixed:99999999999999999999"],
 }.items():
     case(_name)(lambda b, _t, extra=_extra: run(b, *extra))
 
@@ -568,6 +663,34 @@ def _(b, t):
 @case("calibrate --prompts 'turns' a string")
 def _(b, t):
     return Cli(main_cli, ["calibrate", b, "--prompts", prompts_file(t, '{"turns": "text"}\n')])
+
+
+@case("bench --prompts with an integer of 5000 digits")
+def _(b, t):
+    return Cli(main_cli, ["bench", b, "--prompts", prompts_file(t, '{"prompt": "w1", "n": ' + "7" * 5000 + "}\n")])
+
+
+@case("bench --prompts a device that never ends")
+def _(b, t):
+    return Cli(main_cli, ["bench", b, "--prompts", "/dev/zero", "--limit", "1"])
+
+
+@case("triton --output a file")
+def _(b, t):
+    (t / "repo").write_text("mine")
+    return Cli(export_cli, ["triton", b, "--output", t / "repo"])
+
+
+@case("triton --python-env a text file")
+def _(b, t):
+    (t / "env.txt").write_text("mine")
+    return Cli(export_cli, ["triton", b, "--output", t / "repo", "--python-env", t / "env.txt"], t / "repo")
+
+
+@case("calibrate --prompts nested 100000 deep")
+def _(b, t):
+    return Cli(main_cli, ["calibrate", b, "--prompts", prompts_file(t, "[" * 100000 + "]" * 100000 + "\n"),
+                          "--out", t / "cal"], t / "cal")
 
 
 @case("bench --prompts 'turns' with a number")

@@ -36,6 +36,8 @@ def error_of(response, status):
     ({**GOOD, "temperature": 1e308 * 10}, "temperature"),  # json.dumps writes Infinity
     ({**GOOD, "temperature": float("nan")}, "temperature"),
     ({**GOOD, "temperature": -0.5}, "temperature"),
+    ({**GOOD, "temperature": True}, "temperature"),  # pydantic's float took true as 1.0
+    ({**GOOD, "temperature": "0.5"}, "temperature"),  # and text as a number
     ({**GOOD, "seed": -1}, "seed"),
     ({**GOOD, "seed": 2 ** 80}, "seed"),
     ({**GOOD, "stream": "yes"}, "stream"),
@@ -151,3 +153,55 @@ def test_a_bundle_that_fails_to_load_ends_the_server_with_one_line(tiny_bundle_v
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors and "could not load" in errors[-1] and "TemplateSyntaxError" in errors[-1]
     assert "Traceback" not in done.stderr
+
+
+def _serve(bundle, *args: str, timeout: float = 300):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve", str(bundle),
+                           "--log-level", "error", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("host, says", [("no-such-host.invalid", "is not an address this machine can listen on"),
+                                        ("203.0.113.7", "is not an address of this machine"),
+                                        ("", "--host is empty")])
+def test_a_host_that_cannot_be_listened_on_is_one_line(tiny_bundle_v6, host, says):
+    done = _serve(tiny_bundle_v6[3], "--host", host, "--port", "0")
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert errors[0].startswith("error: ") and says in errors[0], errors
+
+
+def test_a_port_in_use_is_one_line(tiny_bundle_v6):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve(tiny_bundle_v6[3], "--port", str(port))
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert errors[0] == f"error: port {port} on 127.0.0.1 is in use by another program: choose another --port " \
+                        f"(--port 0 takes a free one)"
+
+
+def test_port_0_says_the_port_it_listens_on(tiny_bundle_v6, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen([sys.executable, "-c", "from dspark.cli import main_cli; main_cli()", "serve",
+                                str(tiny_bundle_v6[3]), "--port", "0", "--threads", "1", "--log-level", "error"],
+                               stderr=log.open("w"), stdout=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: "ready on" in log.read_text() or process.poll() is not None, 120, 0.2)
+        found = re.search(r"ready on http://127\.0\.0\.1:(\d+)", log.read_text())
+        assert found and int(found.group(1)) != 0, log.read_text()
+        assert httpx.get(f"http://127.0.0.1:{found.group(1)}/health", timeout=30).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, log.read_text()[-2000:]

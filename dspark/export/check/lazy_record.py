@@ -35,7 +35,7 @@ def record_missing(bundle: Path, say: Callable[[str], None]) -> bool:
     bundle = Path(bundle)
     if (bundle / CHECK_DIR / "expected.json").exists():
         return False
-    manifest = Manifest.read(bundle)
+    manifest = Manifest.read_checked(bundle)
     draft = manifest.sources.get("draft") or {}
     name = draft.get("name") if isinstance(draft, dict) else None
     if not isinstance(name, str) or (name.startswith("random") and ":" not in name):

@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 
 from dspark.bundle import GRAPHS, Manifest
+from dspark.integrity import read_onnx
 
 FLOATS = {"FLOAT", "FLOAT16", "BFLOAT16"}
 INTS = {"INT32", "INT64"}
@@ -108,10 +109,10 @@ def lint_model(model: onnx.ModelProto, graph_name: str) -> list[LintFinding]:
 
 
 def lint_bundle(bundle: Path, manifest: Manifest | None = None) -> list[LintFinding]:
-    manifest = manifest or Manifest.read(bundle)
+    manifest = manifest or Manifest.read_checked(bundle)
     out = []
     for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
         spec = manifest.graphs[name]
-        model = onnx.load(str(Manifest.path(bundle, spec.file)), load_external_data=False)
+        model = read_onnx(Manifest.path(bundle, spec.file), f"{spec.file} ({name} graph)")
         out += lint_model(model, name)
     return out

@@ -238,7 +238,7 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
     written into a copy of the bundle (hard links) that replaces it in one step: readers see the old set or the
     new one, never a mix. A quantized verifier drops the stored SPS table (profiled on the old verifier)."""
     bundle = Path(bundle)
-    manifest = Manifest.read(bundle)
+    manifest = Manifest.read_checked(bundle)
     graphs = list(dict.fromkeys(graphs))
     _check_options(manifest, graphs, opts)
     done = [g for g in graphs if g in manifest.quantized]

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx  # the file's proto for load_skeleton (see there)
 import onnx_ir as ir
 
 from dspark.errors import DSparkError
+from dspark.integrity import read_onnx
 
 ALIGN = 64  # byte alignment of every tensor in a data file written here (memory maps, SIMD loads)
 INLINE_BYTES = 1024  # smaller tensors stay in the graph's proto (ONNX Runtime reads shape inputs only from there)
@@ -29,10 +29,10 @@ def load_skeleton(path: Path) -> ir.Model:
     shape, so a graph written back would describe each in its value_info, and a graph rewritten here would not be
     the file it was before but for the rewrite. Which ones the file describes is only in its proto: it is read with
     onnx (as ir.load itself does) and deserialized by onnx_ir."""
+    proto = read_onnx(path)
     try:
-        proto = onnx.load(str(path), load_external_data=False)
         model = ir.serde.deserialize_model(proto)
-    except Exception as e:  # protobuf errors
+    except Exception as e:  # a protobuf that parses but is no model onnx_ir can hold
         raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
     ir.external_data.set_base_dir(model.graph, Path(path).parent)
     described = {v.name for v in proto.graph.value_info}

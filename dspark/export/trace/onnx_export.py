@@ -308,6 +308,13 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
     return output
 
 
+def check_draft_vocab(draft: str, draft_vocab: int | None) -> None:
+    """--draft-vocab needs the drafter's token ranking, which a random drafter has not."""
+    if draft_vocab is not None and draft.split(":")[0] == "random":
+        raise DSparkError("--draft-vocab needs a token ranking, and a random drafter has none: give a trained "
+                          "drafter (its draft_vocab.json), or drop --draft-vocab")
+
+
 def draft_ids_for(pair: Pair, size: int, stop_ids: tuple[int, ...]):
     """The draft vocabulary an export with --draft-vocab SIZE chose (the checkpoint's own ranking)."""
     return _draft_ids(pair, size, None, stop_ids)

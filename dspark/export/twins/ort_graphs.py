@@ -64,7 +64,7 @@ def fuse_bundle(bundle: Path, names: list[str] | None = None) -> dict[str, str |
     have, why not; an error when it can have none); named twins are (re)built and must all build. The bundle is
     left unchanged on any error."""
     bundle = Path(bundle)
-    manifest = Manifest.read(bundle)
+    manifest = Manifest.read_checked(bundle)
     skipped = {}
     if names is None:
         skipped = {n: _why_not(n, manifest) for n in TWINS if n not in possible_twins(manifest)}
