@@ -14,7 +14,8 @@ from typing import Iterator
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.backend import Backend
+from dspark.runtime.backend import Backend, available_memory
+from dspark.runtime.engine_choice import refuse_unfit, slot_bytes
 from dspark.runtime.gate import DraftGate, GateMemory, new_gate
 from dspark.runtime.observers import RoundObserver, StepTimer
 from dspark.runtime.options import DecodeOptions
@@ -43,6 +44,9 @@ class Decoder:
         capacity = backend.fixed_capacity or capacity or min(
             longest + options.max_tokens + manifest.block_size + 1, self.context_limit)
         batch = min(options.batch_size or len(prompts), len(prompts), backend.max_batch or len(prompts))
+        if backend.fixed_capacity is None:  # host caches: sized here
+            refuse_unfit(batch, slot_bytes(manifest, capacity), available_memory(),
+                         "give fewer prompts at once (a smaller batch size, -R in dspark bench) or fewer --max-tokens")
         self.gates, self._gate_key = gates, GateMemory.key(options.policy, batch, options.temperature == 0)
         self.timer = StepTimer()
         self.slots = Slots(backend, manifest, options.policy, batch, capacity, gate=self._take_gate(batch),

@@ -38,15 +38,19 @@ def slot_bytes(manifest: Manifest, capacity: int, itemsize: int = 4) -> int:
     return total
 
 
+def refuse_unfit(slots: int, per_slot: int, available: int | None, fewer: str) -> None:
+    """One line, before anything is allocated, where `slots` caches of `per_slot` bytes exceed the memory free."""
+    if available is not None and slots * per_slot > available:
+        raise DSparkError(f"{slots} batch slots need {slots * per_slot / 2**30:,.1f} GiB of caches "
+                          f"({per_slot / 2**20:,.1f} MiB each) and {available / 2**30:,.1f} GiB is available: {fewer}")
+
+
 def choose_batch(asked: int | None, backend_max: int | None, per_slot: int, available: int | None
                  ) -> tuple[int, str]:
     if asked is not None:
         if backend_max and asked > backend_max:
             return backend_max, f"asked {asked}; the engines are built for at most {backend_max}"
-        if available is not None and asked * per_slot > available:
-            raise DSparkError(f"{asked} batch slots need {asked * per_slot / 2**30:,.1f} GiB of caches "
-                              f"({per_slot / 2**20:,.1f} MiB each) and {available / 2**30:,.1f} GiB is available: "
-                              f"ask for fewer slots or a smaller --max-context")
+        refuse_unfit(asked, per_slot, available, "ask for fewer slots or a smaller --max-context")
         return asked, "asked"
     if backend_max:
         return backend_max, "the most the engines are built for"

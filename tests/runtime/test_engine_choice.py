@@ -59,3 +59,18 @@ def test_policy_text_auto_and_objects():
     with pytest.raises(DSparkError, match="batch_size"):
         EngineOptions(batch_size=0)
 
+
+
+def test_a_decode_whose_caches_cannot_fit_is_refused_before_allocating(tiny_bundle_v6, monkeypatch):
+    """dspark run/bench: a batch of huge slots was a MemoryError reported as an internal error."""
+    import dspark.runtime.decoder as decoder
+    from dspark.errors import DSparkError
+    from dspark.runtime import DecodeOptions, Runtime
+
+    with Runtime(tiny_bundle_v6[3], threads=1) as rt:
+        prompts = [[1, 2, 3]] * 4
+        monkeypatch.setattr(decoder, "available_memory", lambda: 1024)
+        with pytest.raises(DSparkError, match=r"4 batch slots need .* GiB is available: give fewer prompts"):
+            rt.generate(prompts, DecodeOptions(max_tokens=8))
+        monkeypatch.setattr(decoder, "available_memory", lambda: None)  # unknown: decodes as before
+        assert len(rt.generate(prompts, DecodeOptions(max_tokens=8))) == 4
