@@ -1,13 +1,13 @@
 """Drafters without DSpark's heads (DFlash: no Markov head, no confidence head; or a Markov head alone) export
 into the same three graphs and decode exactly: the runtime equals the PyTorch reference, greedy and sampled."""
 import pytest
-import torch
 
 from dspark.bundle import Manifest
 from dspark.demo import best_policy
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 from support.tiny import tiny_bundle
+from test_bundle_tiny import prompts  # token ids below 6: valid in this vocabulary too
 
 V = 16
 
@@ -17,12 +17,6 @@ def headless(request, tmp_path_factory):
     rank, confidence = request.param
     return tiny_bundle(tmp_path_factory.mktemp("headless") / "b", family="qwen3", vocab=V, layers=2, block_size=4,
                        seed=3, markov_rank=rank, confidence=confidence)
-
-
-def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
