@@ -13,6 +13,8 @@ from dspark.files import read_json, write_text_atomic
 from dspark.integrity import check_file, data_records, sha256_file
 from dspark.schema import Fields, contained, is_int
 
+MAX_BLOCK = 1024  # the largest draft block a manifest may declare (and a fixed policy may verify)
+
 FORMAT = "dspark-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -173,7 +175,7 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     draft = top.obj("draft")
     for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):  # the draft's cache and hidden sizes
         draft.integer(key, 1)
-    block = draft.integer("block_size", 1, 1024)
+    block = draft.integer("block_size", 1, MAX_BLOCK)
     draft.int_list("target_layer_ids", -1, target.raw["num_layers"] - 1)
     draft.integer("mask_token_id", 0, vocab - 1)
     draft.integer("markov_rank", 0, default=0)

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dspark.bundle import MAX_BLOCK
 from dspark.errors import DSparkError
 from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, TOPK, budget_from
 
 KINDS = ("ar", "all", "fixed", "static", "schedule", "topk")
 
 
-MAX_GAMMA = 1024  # the largest block a bundle may draft (dspark.bundle: draft.block_size)
+MAX_GAMMA = MAX_BLOCK  # drafts a round may verify: at most a block
 
 
 @dataclass
