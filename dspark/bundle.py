@@ -172,16 +172,7 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     vocab = target.integer("vocab_size", 1)
     for key in ("hidden_size", "num_layers", "num_kv_heads", "head_dim"):
         target.integer(key, 1)
-    draft = top.obj("draft")
-    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):  # the draft's cache and hidden sizes
-        draft.integer(key, 1)
-    block = draft.integer("block_size", 1, MAX_BLOCK)
-    draft.int_list("target_layer_ids", -1, target.raw["num_layers"] - 1)
-    draft.integer("mask_token_id", 0, vocab - 1)
-    draft.integer("markov_rank", 0, default=0)
-    draft.boolean("confidence_head", default=False)
-    if draft.has("draft_vocab"):
-        draft.integer("draft_vocab", 1, vocab)
+    block = _validate_draft(top.obj("draft"), vocab, target.raw["num_layers"])
     top.integer("max_context", 2, 1 << 24)
     top.int_list("stop_token_ids", 0, vocab - 1)
     graphs = top.obj("graphs")
@@ -223,6 +214,22 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
         record.string("sha256")
     top.string("precision", default="fp32", choices=PRECISIONS)
     _validate_tensorrt(top.obj("tensorrt", default={}), folder)
+
+
+def _validate_draft(draft: Fields, vocab: int, target_layers: int) -> int:
+    """The manifest's draft section; returns its block size."""
+    for key in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):  # the draft's cache and hidden sizes
+        draft.integer(key, 1)
+    block = draft.integer("block_size", 1, MAX_BLOCK)
+    draft.int_list("target_layer_ids", -1, target_layers - 1)
+    draft.integer("mask_token_id", 0, vocab - 1)
+    draft.integer("markov_rank", 0, default=0)
+    draft.boolean("confidence_head", default=False)
+    if draft.has("draft_vocab"):
+        draft.integer("draft_vocab", 1, vocab)
+    if draft.has("expected_acceptance"):
+        check_expected_acceptance(draft.obj("expected_acceptance"), block)
+    return block
 
 
 def _size_checks(graphs: dict, where: str):
@@ -328,6 +335,15 @@ def _validate_tensorrt(section: Fields, folder: Path) -> None:
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # stored precision of the weight matrices (dspark.models.tensors)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
+def check_expected_acceptance(claim: Fields, block: int) -> None:
+    """A drafter's claimed acceptance (`expected_acceptance` in its config and the manifest's draft section):
+    `accept_at`, one acceptance in [0, 1] per block position at most, and how it was measured."""
+    values = claim.number_list("accept_at")
+    if not 1 <= len(values) <= block or any(not 0.0 <= v <= 1.0 for v in values):
+        claim.fail("accept_at", f"must hold 1..{block} acceptances in [0, 1]")
+    claim.string("measured", default="")
 
 
 def check_reference(folder: Path) -> None:

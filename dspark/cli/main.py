@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from dspark.cli.cache import cache_group
+from dspark.cli.check import check_cmd
 from dspark.cli.deepspec import deepspec_cmd
 from dspark.cli.demo import demo_cmd
 from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy
@@ -120,37 +121,6 @@ def build_cmd(bundle, flavor, precision, max_batch, max_context, compute_capabil
                    f"{rep['plugin_layers'][name]} plugin layer(s))")
     targets = f", targets {' '.join(rep['targets'])}" if rep["targets"] else f", device {rep['device']}"
     click.echo(f"{rep['flavor']} {rep['tensorrt']}, {precision}{targets}, {rep['plugin']['implementation']} plugin")
-
-
-@export_cli.command("check")
-@click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--trt-lint", is_flag=True, help="Also lint every graph against TensorRT 10's ONNX operator support.")
-@click.option("--lint-only", is_flag=True, help="Only the TensorRT lint (no ONNX Runtime runs).")
-@WEIGHTS_OPTION
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check_cmd(bundle, trt_lint, lint_only, weights, as_json):
-    """Per-graph parity of ONNX Runtime vs PyTorch and greedy token equality (records check/ data if missing)."""
-    from dataclasses import asdict
-
-    if lint_only:
-        from dspark.bundle import Manifest
-        from dspark.export.check.trt_lint import lint_bundle
-
-        findings = [asdict(f) for f in lint_bundle(bundle, Manifest.read_checked(bundle))]
-        if as_json:
-            click.echo(json.dumps({"bundle": str(bundle), "trt_lint": findings, "passed": not findings}))
-        else:
-            for f in findings:
-                click.echo(f"{f['graph']}: {f['op']} ({f['node']}): {f['problem']}")
-            click.echo("TensorRT lint: " + ("clean" if not findings else f"{len(findings)} problem(s)"))
-        sys.exit(0 if not findings else 1)
-    from dspark.export.check.lazy_record import record_missing
-    from dspark.export.check.parity import check_bundle, format_report
-
-    record_missing(bundle, say=lambda m: click.echo(m, err=True))
-    rep = check_bundle(bundle, trt_lint=trt_lint, weights=weights)
-    click.echo(json.dumps(rep.to_dict(), indent=2) if as_json else format_report(rep))
-    sys.exit(0 if rep.passed else 1)
 
 
 # ------------------------------------------------------------------------------------------------------ dspark
@@ -395,5 +365,5 @@ def reference_cmd(target, draft, prompt, max_tokens, temperature, seed, threshol
 
 for command in (serve_cmd, cache_group, demo_cmd):
     main_cli.add_command(command)
-for command in (triton_cmd, quantize_cmd, fuse_cmd, deepspec_cmd):
+for command in (check_cmd, triton_cmd, quantize_cmd, fuse_cmd, deepspec_cmd):
     export_cli.add_command(command)

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark.bundle import check_expected_acceptance
 from dspark.errors import DSparkError
 from dspark.schema import Fields, check_number
 
@@ -132,6 +133,8 @@ class DraftConfig(LayerGeometry):
             confidence_temperatures=tuple(temps),
             extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
         )
+        if fields.has("expected_acceptance"):
+            check_expected_acceptance(fields.obj("expected_acceptance"), out.block_size)
         out.validate()
         # settings of a head the draft does not have mean nothing: kept as to_dict writes them (it omits them)
         return dataclasses.replace(
@@ -199,6 +202,21 @@ class DraftConfig(LayerGeometry):
             if ours != theirs:
                 raise DSparkError(f"draft does not fit the target: draft {name}={ours}, target has {theirs}")
         _check_taps(self.target_layer_ids, target.num_layers, "draft does not fit the target: target_layer_id")
+
+
+def with_claim(cfg: DraftConfig, accept_at, measured: str) -> DraftConfig:
+    """`cfg` claiming this acceptance per position (`expected_acceptance`, kept in config.json and carried into
+    bundles: the collapse alarm of `dspark-export check` holds a bundle to it). NaN positions (never reached)
+    are left out from the first one on."""
+    values = []
+    for a in accept_at:
+        if a != a:
+            break
+        values.append(round(float(a), 4))
+    extra = {k: v for k, v in cfg.extra.items() if k != "expected_acceptance"}
+    if values:
+        extra["expected_acceptance"] = {"accept_at": values, "measured": measured}
+    return dataclasses.replace(cfg, extra=extra)
 
 
 def _check_taps(ids, num_layers: int, what: str) -> None:

@@ -2,16 +2,22 @@
 EngineObserver from its loop thread; the HTTP side counts refused and invalid requests."""
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dspark.runtime.engine_request import EngineObserver, Request, RoundStats
+from dspark.serve.acceptance_watch import AcceptanceWatch
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
 class Metrics(EngineObserver):
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, model: str = "", checked_position1: float | None = None,
+                 warn: Callable[[str], None] = lambda line: None):
+        """`checked_position1`: what `dspark-export check` measured on the bundle (AcceptanceWatch warns once when
+        the live figure stays far below it)."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("dspark_requests", "Requests by outcome (stop, length, cancelled, error, "
                                 "rejected_queue_full, rejected_closed, invalid)", ["outcome"], registry=r)
@@ -41,6 +47,7 @@ class Metrics(EngineObserver):
         self.rounds = Counter("dspark_rounds", "Decode rounds by kind (drafted, plain, gate_skipped)", ["kind"],
                               registry=r)
         self.ready = Gauge("dspark_ready", "1 once the bundle is loaded and warmed up", registry=r)
+        self.acceptance = AcceptanceWatch(r, model, checked_position1, warn)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,6 +63,8 @@ class Metrics(EngineObserver):
         self.kv_used.set(stats.kv_used)
         self.kv_capacity.set(stats.kv_capacity)
         self.rounds.labels("gate_skipped" if stats.gate_skipped else "drafted" if stats.drafted else "plain").inc()
+        if stats.drafted:
+            self.acceptance.observe(stats.verified, stats.accepted)
         for verified, accepted in zip(stats.verified, stats.accepted):
             self.verify_len.observe(verified)
             for position in range(1, verified + 1):

@@ -1,11 +1,13 @@
 """What one `dspark serve` process holds: the loaded bundle, the engine, the metrics, and whether it is ready."""
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from dspark.acceptance import recorded_position1
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.runtime.api import Runtime
@@ -41,7 +43,10 @@ class ServerState:
     metrics: Metrics = field(init=False)
 
     def __post_init__(self):
-        self.metrics = Metrics(Manifest.read(self.config.bundle).block_size)  # refuses a bad bundle at once
+        bundle = self.config.bundle
+        self.metrics = Metrics(Manifest.read(bundle).block_size, self.config.model_name,  # refuses a bad bundle
+                               recorded_position1(bundle),
+                               warn=lambda line: print(f"dspark serve: {line}", file=sys.stderr, flush=True))
 
     def load(self, say: Callable[[str], None] = lambda line: None) -> None:
         """Load the bundle, start the engine (`say` gets what it chose and why) and warm it up (the server answers

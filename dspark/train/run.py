@@ -15,6 +15,7 @@ import torch
 from dspark.errors import DSparkError
 from dspark.export.trace.onnx_export import export_bundle
 from dspark.models.checkpoint import load_draft, save_draft
+from dspark.models.config import with_claim
 from dspark.models.draft_vocab import rank_tokens, shortlist, write_ranking
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.pair import Pair, random_drafter
@@ -64,10 +65,11 @@ class TrainRun(TrainOptions):
 
     def _warm_start(self, loaded: LoadedTarget) -> DSparkDrafter:
         """Continue from a trained drafter's weights with a fresh optimizer and schedule. Its STS temperatures are
-        dropped: they belong to the old weights, so calibrate again after training."""
+        dropped: they belong to the old weights, so calibrate again after training; so is its claimed acceptance
+        (training measures the new one)."""
         body = loaded.hf_model
         drafter = load_draft(self.init_from, loaded.config, body.model.embed_tokens, body.lm_head)
-        drafter.cfg = dataclasses.replace(drafter.cfg, confidence_temperatures=())
+        drafter.cfg = with_claim(dataclasses.replace(drafter.cfg, confidence_temperatures=()), (), "")
         drafter.sts_temperatures.fill_(1.0)
         self._say(f"starting from {self.init_from} ({drafter.cfg.num_layers} layers, block {drafter.cfg.block_size}, "
                   f"Markov rank {drafter.cfg.markov_rank})")
@@ -163,6 +165,9 @@ class TrainRun(TrainOptions):
         vocab_ids = self._draft_vocab_ids(loaded, ranking[0], drafter.cfg.vocab_size)
         trainer = Trainer(target, drafter, train, self.output, cfg, vocab_ids)
         history, heldout = self._fit(trainer, train, held)
+        if heldout:  # what `dspark-export check` holds a bundle of this drafter to (dspark.acceptance)
+            drafter.cfg = with_claim(drafter.cfg, heldout["accept_at"],
+                                     f"teacher-forced on {len(held)} held-out sequences (dspark train)")
         ckpt = save_draft(drafter.cpu(), self.output / "checkpoint")
         write_ranking(ckpt, *ranking, drafter.cfg.vocab_size,
                       f"target responses to {len(train)} prompts of {self.prompts.name}")

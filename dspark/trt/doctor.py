@@ -100,8 +100,10 @@ def run_doctor(bundle: Path, build: bool = False, plugin: Path | None = None,
     reason = not_buildable(manifest)
     if intact:
         _onnx_checks(report, bundle, manifest, lint=reason is None)
+        _acceptance(report, bundle)
     else:  # nothing reads a graph or data file already found damaged
-        for name in ("TensorRT operator lint",) * (reason is None) + ("ONNX Runtime vs PyTorch reference",):
+        for name in ("TensorRT operator lint",) * (reason is None) + ("ONNX Runtime vs PyTorch reference",
+                                                                      ACCEPTANCE):
             report.add(name, "skipped", "the bundle's files are damaged (see above)")
     has_gpu, gpu = _gpu()
     report.add("GPU", "ok" if has_gpu else "skipped", gpu)
@@ -191,6 +193,18 @@ def _onnx_checks(report: DoctorReport, bundle: Path, manifest: Manifest, lint: b
                    f"{'equal' if ort.e2e['ar']['passed'] else 'DIFFERS'}")
     except Exception as e:  # a bundle without check data, or an install without torch, still gets the GPU report
         report.add("ONNX Runtime vs PyTorch reference", "skipped", install_hint(e) or str(e))
+
+
+ACCEPTANCE = "drafter acceptance (collapse alarm)"
+
+
+def _acceptance(report: DoctorReport, bundle: Path) -> None:
+    """What `dspark-export check` judges the drafter's acceptance by (dspark.acceptance), measured again."""
+    from dspark.acceptance import check_acceptance
+
+    verdict = check_acceptance(bundle)
+    status = {"ok": "ok", "collapse": "fail"}.get(verdict.status, "note")
+    report.add(ACCEPTANCE, status, verdict.line)
 
 
 def _engine_files(report: DoctorReport, bundle: Path, manifest: Manifest, plugin: Path | None, build: bool) -> None:

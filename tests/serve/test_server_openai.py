@@ -102,6 +102,8 @@ def test_metrics_count_what_was_served(server, client):
     proposed = server.metric('dspark_draft_proposed_total{position="1"}')
     accepted = server.metric('dspark_draft_accepted_total{position="1"}')
     assert 0 <= accepted <= proposed and proposed > 0
+    assert 1.0 <= server.metric('dspark_acceptance_length{model="tiny"}') <= 1 + 7  # the live collapse watch
+    assert 0.0 <= server.metric('dspark_acceptance_position1{model="tiny"}') <= 1.0
 
 
 def test_a_request_without_temperature_decodes_greedily_and_the_folder_name_is_accepted(tiny_bundle_v6, client,

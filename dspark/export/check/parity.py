@@ -22,6 +22,7 @@ from polygraphy.comparator.compare import SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 
+from dspark.acceptance import Verdict, judge, measure
 from dspark.bundle import Manifest, check_reference
 from dspark.errors import DSparkError
 from dspark.files import read_json
@@ -118,15 +119,17 @@ class CheckReport:
     rows: list[CheckRow]
     e2e: dict
     lint: list[dict] | None = None
+    verdict: Verdict | None = None  # the acceptance-collapse alarm's (dspark.acceptance)
 
     @property
     def passed(self) -> bool:
         return (all(r.passed for r in self.rows) and all(v["passed"] for v in self.e2e.values())
-                and not self.lint)
+                and not self.lint and not (self.verdict is not None and self.verdict.failed))
 
     def to_dict(self) -> dict:
         return {"bundle": self.bundle, "passed": self.passed, "graphs": [asdict(r) for r in self.rows],
-                "e2e": self.e2e, "trt_lint": self.lint}
+                "e2e": self.e2e, "trt_lint": self.lint,
+                "acceptance": None if self.verdict is None else self.verdict.to_dict()}
 
 
 def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> list[CheckRow]:
@@ -177,7 +180,9 @@ def _graph_runs(backend) -> list[tuple[str, str, object]]:
     return runs
 
 
-def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") -> CheckReport:
+def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto", acceptance: bool = False
+                 ) -> CheckReport:
+    """With `acceptance`, also the collapse alarm's measurement and verdict (dspark.acceptance)."""
     bundle = Path(bundle)
     manifest = Manifest.read(bundle)
     check_dir = bundle / CHECK_DIR
@@ -229,7 +234,8 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto") ->
     lint = None
     if trt_lint:
         lint = [asdict(f) for f in lint_bundle(bundle, manifest)]
-    return CheckReport(str(bundle), rows, e2e, lint)
+    verdict = judge(measure(rt), manifest) if acceptance else None
+    return CheckReport(str(bundle), rows, e2e, lint, verdict)
 
 
 def format_report(rep: CheckReport) -> str:
@@ -241,6 +247,8 @@ def format_report(rep: CheckReport) -> str:
         verdict = "equal" if v["passed"] else f"DIFFERS at token {v['first_difference']}"
         against = v.get("against", "PyTorch reference")
         lines.append(f"greedy {mode:<7} {v['tokens']} tokens vs {against}: {verdict}")
+    if rep.verdict is not None:
+        lines.append(f"acceptance: {'COLLAPSE: ' if rep.verdict.failed else ''}{rep.verdict.line}")
     if rep.lint is not None:
         lines.append("TensorRT lint: " + ("clean" if not rep.lint else f"{len(rep.lint)} problem(s)"))
         for f in rep.lint:

@@ -245,7 +245,9 @@ def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, st
                "mask_token_id": c.mask_token_id, "markov_rank": c.markov_rank,
                "markov_head_type": c.markov_head_type if c.markov_rank else None,
                "confidence_head": c.enable_confidence_head,
-               "draft_vocab": None if pair.drafter.draft_ids is None else int(pair.drafter.draft_ids.numel())},
+               "draft_vocab": None if pair.drafter.draft_ids is None else int(pair.drafter.draft_ids.numel()),
+               **({"expected_acceptance": c.extra["expected_acceptance"]} if "expected_acceptance" in c.extra
+                  else {})},
         max_context=max_context,
         stop_token_ids=list(stop_ids),
         graphs=specs,
