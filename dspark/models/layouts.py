@@ -45,6 +45,10 @@ GENERIC_KEYS = {"_name_or_path", "chunk_size_feed_forward", "dtype", "torch_dtyp
 TRAINING_ONLY = frozenset({"verifier_lm_head.weight", "verifier_norm.weight"})
 VOCAB_MAPS = ("d2t", "t2d")
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+# tensors of drafters whose layers compute something dspark's do not (speculators' converter meets them in
+# Laguna-style DFlash checkpoints): refused by name rather than reported as missing q_proj
+FOREIGN_PIECES = {"qkv_proj": "a fused qkv_proj (dspark reads separate q_proj, k_proj, v_proj)",
+                  ".g_proj.": "an attention output gate g_proj", "aux_hidden_norms.": "per-tap norms aux_hidden_norms"}
 SPECFORGE_HEAD_PREFIXES = (("logit_head.markov_head.", "markov_head."),
                            ("logit_head.confidence_head.", "confidence_head."))
 
@@ -60,6 +64,10 @@ class Layout:
         """dspark's name for a checkpoint tensor (None: not one of the drafter's weights)."""
         if name in self.dropped or name in VOCAB_MAPS:
             return None
+        for piece, what in FOREIGN_PIECES.items():
+            if piece in name:
+                raise DSparkError(f"draft checkpoint ({self.name}) has {what} ({name}): dspark's draft layers have "
+                                  f"no such weight")
         for old, new in self.renames:
             if name.startswith(old):
                 return new + name[len(old):]

@@ -110,10 +110,9 @@ def test_speculators_d2t_drafter_has_its_own_head_and_map(tmp_path):
     torch.testing.assert_close(lazy.read(meta.lm_head.weight), original.lm_head.weight)
 
 
-@pytest.fixture(scope="module", params=["zlab-dflash", "speculators-d2t"])
-def foreign_bundle(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "zlab-dflash":
+def _bundle(kind, tmp_path_factory):
+    root = tmp_path_factory.mktemp(kind)
+    if kind == "zlab-dflash":
         hf, target, drafter = _pair(seed=3)
         folder = zlab_dflash(with_cfg(drafter, sample_from_anchor=False), root / "draft")
     else:
@@ -125,8 +124,19 @@ def foreign_bundle(request, tmp_path_factory):
     return target, loaded, path
 
 
-def test_a_foreign_drafter_decodes_as_the_reference_and_greedy_equals_ar(foreign_bundle):
-    target, drafter, path = foreign_bundle
+@pytest.fixture(scope="module")
+def zlab_bundle(tmp_path_factory):
+    return _bundle("zlab-dflash", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def d2t_bundle(tmp_path_factory):
+    return _bundle("speculators-d2t", tmp_path_factory)
+
+
+@pytest.mark.parametrize("bundle", ["zlab_bundle", "d2t_bundle"])
+def test_a_foreign_drafter_decodes_as_the_reference_and_greedy_equals_ar(request, bundle):
+    target, drafter, path = request.getfixturevalue(bundle)
     ps = [[1, 4, 2, 0], [3, 3, 5], [0, 1, 7, 9, 2]]
     with Runtime(path) as rt:
         stop = tuple(rt.manifest.stop_token_ids)
@@ -141,13 +151,112 @@ def test_a_foreign_drafter_decodes_as_the_reference_and_greedy_equals_ar(foreign
         assert [r.token_ids for r in rt.generate(ps, DecodeOptions(max_tokens=20))] == ar
 
 
-def test_the_d2t_map_is_the_heads_graph_draft_ids(foreign_bundle):
+def test_the_d2t_map_is_the_heads_graph_draft_ids(d2t_bundle):
     import onnx
     from onnx import numpy_helper
 
-    target, drafter, path = foreign_bundle
-    if not drafter.fixed_vocab:
-        pytest.skip("the z-lab drafter drafts from the whole vocabulary")
+    target, drafter, path = d2t_bundle
     model = onnx.load(str(path / "heads.onnx"), load_external_data=False)
     ints = [numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT64]
     assert any(a.shape == (len(IDS),) and a.tolist() == IDS for a in ints)
+
+
+def _config(folder, edit):
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _tensors(folder, edit):
+    t = load_file(folder / "model.safetensors")
+    edit(t)
+    save_file(t, str(folder / "model.safetensors"))
+
+
+def _qkv(t):
+    t["layers.0.self_attn.qkv_proj.weight"] = torch.cat([t.pop(f"layers.0.self_attn.{x}_proj.weight") for x in "qkv"])
+
+
+def _twin_heads(t):
+    t["markov_head.markov_w1.weight"] = t["logit_head.markov_head.markov_w1.weight"].clone()
+
+
+def _offset(t, row, to):
+    t["d2t"][row] = to - row
+
+
+REFUSED = {  # case: (layout written, damage, message)
+    "speculators eagle3": ("speculators", lambda f: _config(f, lambda c: c.update(speculators_model_type="eagle3")),
+                           "a speculators 'eagle3' drafter; dspark runs DSpark/DFlash block drafters only"),
+    "EAGLE architecture": ("zlab", lambda f: _config(f, lambda c: (c.pop("dflash_config"), c.update(
+        architectures=["LlamaForCausalLMEagle3"]))), "is an EAGLE drafter"),
+    "foreign architecture": ("zlab", lambda f: _config(f, lambda c: (c.pop("dflash_config"), c.update(
+        architectures=["MistralForCausalLM"]))), "not a DSpark draft config"),
+    "unknown dflash_config field": ("zlab", lambda f: _config(f, lambda c: c["dflash_config"].update(gamma=3)),
+                                    "dflash_config.gamma is a field dspark does not understand"),
+    "unknown speculators field": ("speculators", lambda f: _config(f, lambda c: c.update(
+        eagle_aux_hidden_state_layer_ids=[1])), "speculators field 'eagle_aux_hidden_state_layer_ids'"),
+    "attention bias": ("zlab", lambda f: _config(f, lambda c: c.update(attention_bias=True)), "attention_bias"),
+    "sliding-window layers": ("zlab", lambda f: _config(f, lambda c: c["layer_types"].__setitem__(
+        0, "sliding_attention")), "has sliding_attention layers"),
+    "activation": ("speculators", lambda f: _config(f, lambda c: c["transformer_layer_config"].update(
+        hidden_act="gelu")), "hidden_act is 'gelu'"),
+    "projector": ("specforge", lambda f: _config(f, lambda c: c["dflash_config"].update(projector_type="mlp")),
+                  "projector_type is 'mlp'"),
+    "Domino prefix": ("specforge", lambda f: _config(f, lambda c: c["dflash_config"].update(
+        pure_draft_prefix_len=2)), "a Domino drafter"),
+    "no mask token (DFlash)": ("zlab", lambda f: _config(f, lambda c: c["dflash_config"].pop("mask_token_id")),
+                               "names no dflash_config.mask_token_id"),
+    "no mask token (speculators)": ("speculators", lambda f: _config(f, lambda c: c.update(mask_token_id=None)),
+                                    "names no mask_token_id"),
+    "target hidden size": ("speculators", lambda f: _config(f, lambda c: c.update(target_hidden_size=64)),
+                           "target_hidden_size 64 differs"),
+    "block of one slot": ("zlab", lambda f: _config(f, lambda c: c.update(block_size=1)), "leaves no mask slot"),
+    "no taps nor depth": ("zlab", lambda f: _config(f, lambda c: (c.pop("num_target_layers"), c[
+        "dflash_config"].pop("target_layer_ids"))), "names neither num_target_layers"),
+    "fused qkv": ("zlab", lambda f: _tensors(f, _qkv), "has a fused qkv_proj"),
+    "heads under two names": ("specforge-early", lambda f: _tensors(f, _twin_heads), "which are one weight"),
+    "no d2t": ("d2t", lambda f: _tensors(f, lambda t: t.pop("d2t")), "has no d2t map"),
+    "d2t outside the vocabulary": ("d2t", lambda f: _tensors(f, lambda t: _offset(t, 3, V)), "outside the target's"),
+    "d2t twice onto one id": ("d2t", lambda f: _tensors(f, lambda t: _offset(t, 3, IDS[2])), "twice onto one"),
+    "d2t not integers": ("d2t", lambda f: _tensors(f, lambda t: t.update(d2t=t["d2t"].float())), "integer offsets"),
+    "t2d disagrees": ("d2t", lambda f: _tensors(f, lambda t: t["t2d"].__setitem__(IDS[0], False)),
+                      "does not mark the 16 ids"),
+    "reduced head, full vocabulary config": ("d2t", lambda f: _config(f, lambda c: c.update(draft_vocab_size=V)),
+                                             r"lm_head.weight has shape \[16, 32\]"),
+}
+
+
+def _written(kind, folder):
+    if kind == "d2t":
+        return speculators(_d2t_drafter()[2], folder), _d2t_drafter()[1]
+    _, target, drafter = _pair(rank=6 if kind.startswith(("specforge", "speculators")) else 0,
+                               confidence=kind.startswith("specforge"))
+    if kind == "zlab":
+        return zlab_dflash(with_cfg(drafter, sample_from_anchor=False), folder), target
+    if kind.startswith("specforge"):
+        return specforge_dspark(drafter, folder, early_names=kind == "specforge-early"), target
+    return speculators(drafter, folder), target
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_layout_dspark_does_not_run_is_refused_in_one_line(tmp_path, case):
+    kind, damage, message = REFUSED[case]
+    folder, target = _written(kind, tmp_path / "draft")
+    _load(folder, target)  # loads before the damage
+    damage(folder)
+    with pytest.raises(DSparkError, match=message) as err:
+        _load(folder, target)
+    assert "\n" not in str(err.value)
+
+
+def test_a_d2t_drafter_is_never_written_nor_given_another_vocabulary(tmp_path):
+    hf, target, drafter = _d2t_drafter()
+    with pytest.raises(DSparkError, match="no DeepSpec layout"):
+        save_draft(drafter, tmp_path / "out")
+    with pytest.raises(DSparkError, match="its own 16-token vocabulary"):
+        drafter.set_draft_vocab(list(range(16)))
+    pair = Pair(TinyLoaded(hf, tiny_tokenizer_folder(tmp_path / "tok", V)), target, drafter, "random")
+    with pytest.raises(DSparkError, match="drop --draft-vocab"):
+        export_bundle(pair, tmp_path / "bundle", quiet=True, check_data=False, draft_vocab=8, ranking=[1, 2])
+    assert not (tmp_path / "bundle").exists() and np.array_equal(drafter.draft_ids.numpy(), IDS)
