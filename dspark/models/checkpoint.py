@@ -15,20 +15,26 @@ from dspark.errors import DSparkError
 from dspark.files import atomic_folder, normal_mode, read_json
 from dspark.models.config import WEIGHTS, WEIGHTS_INDEX, DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.layouts import Layout, detect, vocab_map
 from dspark.models.tensors import CheckpointTensors, LazyWeights, params_on_meta, read_shard_index
 from dspark.resolve import resolve_draft
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 
 
-def read_draft_config(folder: Path) -> DraftConfig:
+def read_layout(folder: Path, num_target_layers: int | None = None) -> Layout:
+    """The draft's config.json in whichever layout it comes (dspark.models.layouts), as DeepSpec's fields."""
     path = folder / "config.json"
     if not path.exists():
         raise DSparkError(f"draft folder {folder} has no config.json (expected a DeepSpec checkpoint)")
     raw = read_json(path, f"draft config {path}")
     if not isinstance(raw, dict):
         raise DSparkError(f"draft config {path} is not a JSON object")
-    return DraftConfig.from_dict(raw, f"draft config {path}")
+    return detect(raw, f"draft config {path}", num_target_layers)
+
+
+def read_draft_config(folder: Path, num_target_layers: int | None = None) -> DraftConfig:
+    return read_layout(folder, num_target_layers).config
 
 
 def _check_present(path: Path) -> None:
@@ -75,13 +81,14 @@ def check_draft_folder(name_or_path: str | Path) -> DraftConfig:
     return cfg
 
 
-def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
+def _check_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], cfg: DraftConfig,
+                 shared: tuple[str, ...] = SHARED) -> None:
     fc = found.get("fc.weight")
     want_fc = tuple(expected["fc.weight"].shape)
     if fc is not None and tuple(fc.shape) != want_fc:
         raise DSparkError(f"draft fc.weight is {list(fc.shape)} but {cfg.num_taps} target_layer_ids x hidden "
                           f"{cfg.hidden_size} need {list(want_fc)}")
-    missing = [k for k in expected if k not in found and k not in SHARED]
+    missing = [k for k in expected if k not in found and k not in shared]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise DSparkError(f"draft checkpoint is missing {', '.join(missing[:3])}{more}")
@@ -102,33 +109,57 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
     without one, the checkpoint must carry embed_tokens/lm_head itself. With `lazy`, the drafter's own weights
     stay in the checkpoint (meta-device parameters registered in `lazy`), as a lazily loaded target's do."""
     folder = resolve_draft(str(name_or_path))
-    cfg = read_draft_config(folder)
+    layout = read_layout(folder, target.num_layers if target is not None else None)
+    cfg = layout.config
     if target is not None:
         cfg.check_fits(target)
     with torch.device("meta"):
         shape_model = DSparkDrafter(cfg)
-    expected = shape_model.state_dict()
+    # a reduced draft vocabulary's LM head is the drafter's own: only the embedding comes from the target
+    shared = SHARED if not cfg.draft_vocab_size else SHARED[:1]
+    sharing = embed_tokens is not None and (lm_head is not None or cfg.draft_vocab_size > 0)
     if lazy is None:
-        found = _read_tensors(folder / WEIGHTS)
+        stored = _read_tensors(folder / WEIGHTS)
+        read = stored.__getitem__
     else:
         _check_present(folder / WEIGHTS)
         tensors = CheckpointTensors(folder, "draft")
-        found = {k: torch.empty(shape, device="meta") for k, shape in tensors.shapes.items()}
-    _check_state(expected, found, cfg)
-    if embed_tokens is None or lm_head is None:
-        absent = [k for k in SHARED if k not in found]
+        stored, read = {k: torch.empty(shape, device="meta") for k, shape in tensors.shapes.items()}, tensors.read
+    names = _local_names(layout, stored)
+    found = {names[k]: stored[k] for k in names}
+    _check_state(shape_model.state_dict(), found, cfg, shared)
+    ids = vocab_map(layout, set(stored), read)
+    if not sharing:
+        absent = [k for k in shared if k not in found]
         if absent:
             raise DSparkError(f"draft checkpoint stores no {', '.join(absent)}: load it together with its target")
+    own = {k: local for k, local in names.items() if not (local in shared and sharing)}
+    head = None if cfg.draft_vocab_size else lm_head
     if lazy is not None:
         with params_on_meta():
-            drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=lm_head)
+            drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=head)
         params = dict(drafter.named_parameters(remove_duplicate=False))
-        lazy.add_checkpoint(tensors, {k: params[k] for k in found if not (k in SHARED and embed_tokens is not None)})
-        return drafter.eval()
-    drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=lm_head).to(dtype)
-    own = {k: v.to(dtype) for k, v in found.items() if not (k in SHARED and embed_tokens is not None)}
-    drafter.load_state_dict(own, strict=False)
+        lazy.add_checkpoint(tensors, {k: params[local] for k, local in own.items()})
+    else:
+        drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=head).to(dtype)
+        drafter.load_state_dict({local: stored[k].to(dtype) for k, local in own.items()}, strict=False)
+    if ids is not None:
+        drafter.set_draft_vocab(ids)
     return drafter.eval()
+
+
+def _local_names(layout: Layout, stored: dict[str, torch.Tensor]) -> dict[str, str]:
+    """checkpoint name -> dspark's, for the drafter's own tensors (training-only ones and vocabulary maps left out)."""
+    names: dict[str, str] = {}
+    for k in sorted(stored):
+        local = layout.local_name(k)
+        if local is None:
+            continue
+        if local in names.values():
+            twin = next(n for n, v in names.items() if v == local)
+            raise DSparkError(f"draft checkpoint holds both {twin} and {k}, which are one weight ({local})")
+        names[k] = local
+    return names
 
 
 def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool = True,
@@ -140,6 +171,12 @@ def save_draft(drafter: DSparkDrafter, folder: Path | str, include_shared: bool 
     earlier draft checkpoint is replaced. `read` gives the values of weights still on the meta device (a lazily
     loaded pair's: LazyWeights.read), one at a time."""
     folder = Path(folder)
+    if drafter.fixed_vocab:
+        raise DSparkError("a drafter with its own reduced vocabulary (a d2t map) has no DeepSpec layout: dspark does "
+                          "not write it")
+    if not drafter.cfg.sample_from_anchor:
+        print(f"warning: {folder} records sample_from_anchor=false (the anchor slot predicts nothing): dspark reads "
+              f"it, DeepSpec would ignore it and draft wrongly", file=sys.stderr)
     if folder.exists() and not overwrite:
         raise DSparkError(f"{folder} exists; pass --force to overwrite")
     _check_replaceable(folder)
@@ -179,8 +216,7 @@ def _check_replaceable(folder: Path) -> None:
     if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
         return
     try:
-        read_draft_config(folder)
-        ok = folder.is_dir() and all(p.name in ("config.json", WEIGHTS, *KEEP_BESIDE_WEIGHTS) for p in folder.iterdir())
+        ok = read_layout(folder).name == "DeepSpec" and folder.is_dir() and all(p.name in ("config.json", WEIGHTS, *KEEP_BESIDE_WEIGHTS) for p in folder.iterdir())
     except DSparkError:
         ok = False
     if not ok:

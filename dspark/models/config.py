@@ -92,11 +92,26 @@ class DraftConfig(LayerGeometry):
     confidence_head_with_markov: bool = True
     # Sequential Temperature Scaling: one temperature per block position (1.0 = uncalibrated).
     confidence_temperatures: tuple[float, ...] = ()
+    # False: the block has one more slot than it drafts, and the anchor slot's output is dropped (slot k predicts the
+    # token at its own position p+k, as z-lab's and SpecForge's DFlash do); True: DeepSpec's anchor-first convention.
+    sample_from_anchor: bool = True
+    # > 0: the drafter's own LM head (and Markov output) has this many rows, one per target id of a d2t map
+    draft_vocab_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def block_slots(self) -> int:
+        """Input slots of a block: block_size, plus the anchor's when it predicts nothing."""
+        return self.block_size + (0 if self.sample_from_anchor else 1)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the draft LM head and Markov output: the draft vocabulary's, else the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def conf_in_features(self) -> int:
@@ -131,6 +146,8 @@ class DraftConfig(LayerGeometry):
             enable_confidence_head=fields.boolean("enable_confidence_head", default=False),
             confidence_head_with_markov=fields.boolean("confidence_head_with_markov", default=rank > 0),
             confidence_temperatures=tuple(temps),
+            sample_from_anchor=fields.boolean("sample_from_anchor", default=True),
+            draft_vocab_size=fields.integer("draft_vocab_size", 0, default=0),
             extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
         )
         if fields.has("expected_acceptance"):
@@ -153,6 +170,10 @@ class DraftConfig(LayerGeometry):
         if self.confidence_temperatures and len(self.confidence_temperatures) != self.block_size:
             raise DSparkError(f"draft confidence_temperatures has {len(self.confidence_temperatures)} entries, "
                               f"block_size is {self.block_size}")
+        if self.draft_vocab_size >= self.vocab_size:
+            raise DSparkError(f"draft draft_vocab_size {self.draft_vocab_size} is not below vocab_size {self.vocab_size}")
+        if self.block_slots > 1024:
+            raise DSparkError(f"draft block of {self.block_slots} slots is over 1024")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DSparkError(f"draft mask_token_id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})")
 
@@ -189,6 +210,10 @@ class DraftConfig(LayerGeometry):
             cfg["markov_head_type"] = self.markov_head_type
         if self.confidence_temperatures:
             cfg["confidence_temperatures"] = list(self.confidence_temperatures)
+        if not self.sample_from_anchor:  # dspark's extension: DeepSpec ignores it (docs/convert.md)
+            cfg["sample_from_anchor"] = False
+        if self.draft_vocab_size:
+            cfg["draft_vocab_size"] = self.draft_vocab_size
         return cfg
 
     def check_fits(self, target: TargetConfig) -> None:
@@ -232,7 +257,7 @@ _DRAFT_KEYS = {
     "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "rope_theta", "attention_bias",
     "hidden_act", "tie_word_embeddings", "layer_types", "num_target_layers", "target_layer_ids", "block_size",
     "mask_token_id", "enable_confidence_head", "confidence_head_with_markov", "markov_rank", "markov_head_type",
-    "confidence_temperatures",
+    "confidence_temperatures", "sample_from_anchor", "draft_vocab_size",
 }
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.errors import DSparkError
 from dspark.models.config import DraftConfig
 from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.models.sampling import prefix_survival, sample, token_probs
@@ -78,8 +79,8 @@ class MarkovHead(nn.Module):
         r, d, v = cfg.markov_rank, cfg.hidden_size, cfg.vocab_size
         self.kind = cfg.markov_head_type
         self.rank = r
-        self.markov_w1 = nn.Embedding(v, r)
-        self.markov_w2 = nn.Linear(r, v, bias=False)
+        self.markov_w1 = nn.Embedding(v, r)  # indexed by target ids
+        self.markov_w2 = nn.Linear(r, cfg.head_rows, bias=False)  # a reduced vocabulary's rows (d2t), else V
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
@@ -125,7 +126,9 @@ class DSparkDrafter(nn.Module):
         self.cfg = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(v, d)
-        self.lm_head = lm_head if lm_head is not None else nn.Linear(d, v, bias=False)
+        # a reduced draft vocabulary (cfg.draft_vocab_size, from a d2t map) brings its own LM head, never the target's
+        own_head = cfg.draft_vocab_size > 0 or lm_head is None
+        self.lm_head = nn.Linear(d, cfg.head_rows, bias=False) if own_head else lm_head
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
@@ -135,15 +138,31 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.register_buffer("sts_temperatures", torch.tensor(cfg.sts_temperatures, dtype=torch.float32),
                              persistent=False)
-        self.set_draft_vocab(None)  # a draft vocabulary (dspark.models.draft_vocab), if set
+        self._set_ids(None)  # a draft vocabulary (dspark.models.draft_vocab), if set
+
+    @property
+    def fixed_vocab(self) -> bool:
+        """The drafter's own LM head has a row per draft-vocabulary token (a d2t map): no other vocabulary."""
+        return self.cfg.draft_vocab_size > 0
 
     def set_draft_vocab(self, ids) -> None:
         """Draft only from these token ids (None: the whole vocabulary). The heads then score just those rows of
-        the LM head and the Markov bias; the distributions they return stay full-vocabulary (zero elsewhere)."""
+        the LM head and the Markov bias; the distributions they return stay full-vocabulary (zero elsewhere).
+        A drafter with its own reduced LM head takes its d2t map (target id of each row, in row order) only."""
+        if self.fixed_vocab:
+            n = self.cfg.draft_vocab_size
+            known = self.draft_ids
+            if ids is None or len(ids) != n or (known is not None and not torch.equal(
+                    torch.as_tensor(ids, dtype=torch.long).cpu(), known.cpu())):
+                raise DSparkError(f"this drafter drafts from its own {n}-token vocabulary (its d2t map), no other")
+        self._set_ids(ids)
+
+    def _set_ids(self, ids) -> None:
         if ids is not None:
             device = self.lm_head.weight.device
             ids = torch.as_tensor(ids, dtype=torch.long, device="cpu" if device.type == "meta" else device)
-        rows = (lambda w: None if ids is None else w.detach()[ids].clone())
+        # an own reduced head is already the draft vocabulary's rows, in the map's order
+        rows = (lambda w: None if ids is None or self.fixed_vocab else w.detach()[ids].clone())
         self.register_buffer("draft_ids", ids, persistent=False)
         self.register_buffer("draft_lm_weight", rows(self.lm_head.weight), persistent=False)
         self.register_buffer("draft_markov_w2", rows(self.markov_head.markov_w2.weight)
@@ -152,8 +171,9 @@ class DSparkDrafter(nn.Module):
     # -- backbone ---------------------------------------------------------------------------------------------
 
     def block_inputs(self, anchor: torch.Tensor) -> torch.Tensor:
-        """[anchor, mask x (Bk-1)] embeddings: [B, Bk, d]."""
-        ids = torch.full((anchor.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=anchor.dtype,
+        """[anchor, mask x (slots-1)] embeddings: [B, slots, d] (slots = Bk, or Bk+1 when the anchor's slot
+        predicts nothing)."""
+        ids = torch.full((anchor.shape[0], self.cfg.block_slots), self.cfg.mask_token_id, dtype=anchor.dtype,
                          device=anchor.device)
         ids = torch.cat([anchor[:, None], ids[:, 1:]], dim=1)
         return self.embed_tokens(ids)
@@ -175,7 +195,7 @@ class DSparkDrafter(nn.Module):
         Returns block hidden states [B, Bk, d] (after `norm`) and the new context K/V [Ld, 2, B, Hkv, C, hd].
         """
         b, c, _ = ctx_features.shape
-        bk = self.cfg.block_size
+        bk = self.cfg.block_slots
         past_valid = past_mask.bool()
         cache_len = past_valid.sum(dim=1)
         ar_c = torch.arange(c, device=anchor.device)
@@ -191,7 +211,7 @@ class DSparkDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = self.layer_step(layer, x, ctx, ccos, csin, bcos, bsin, *masks, draft_kv[i][0], draft_kv[i][1])
             new_kv.append(torch.stack([k, v]))
-        return self.norm(x), torch.stack(new_kv)
+        return self.norm(x[:, bk - self.cfg.block_size:]), torch.stack(new_kv)
 
     @staticmethod
     def layer_step(layer: DraftLayer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, past_mask, ctx_mask, blk_mask,
@@ -209,7 +229,7 @@ class DSparkDrafter(nn.Module):
         Block a (anchor p) sees context positions < p and its own slots, exactly as backbone() does at inference.
         Returns block hidden states [A, Bk, d].
         """
-        bk = self.cfg.block_size
+        bk = self.cfg.block_slots
         s, a = ctx_features.shape[0], anchors.shape[0]
         dev = ctx_features.device
         ctx = self.hidden_norm(self.fc(ctx_features))[None]  # [1, S, d]
@@ -222,7 +242,7 @@ class DSparkDrafter(nn.Module):
         blk_mask = (block_id[:, None] == block_id[None, :])[None, None, None]
         for layer in self.layers:
             x, _ = layer(x, ctx, (ccos, csin), (bcos, bsin), [ctx_mask, blk_mask])
-        return self.norm(x).view(a, bk, -1)
+        return self.norm(x.view(a, bk, -1)[:, bk - self.cfg.block_size:])
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         cfg = self.cfg
@@ -241,7 +261,9 @@ class DSparkDrafter(nn.Module):
         hidden [B, Bk, d], anchor [B], temperature [B], noise [B, Bk] uniforms in (0, 1].
         """
         ids = self.draft_ids
-        base = self.lm_head(hidden) if ids is None else nn.functional.linear(hidden, self.draft_lm_weight)
+        if self.fixed_vocab and ids is None:
+            raise DSparkError("a reduced-vocabulary drafter needs its d2t map (set_draft_vocab) before it drafts")
+        base = self.lm_head(hidden) if self.draft_lm_weight is None else nn.functional.linear(hidden, self.draft_lm_weight)
         prev, state = anchor, None
         tokens, probs, confs = [], [], []
         for k in range(self.cfg.block_size):
@@ -278,6 +300,8 @@ class DSparkDrafter(nn.Module):
         confidence logits [N, Bk]. With vocab_ids [V'], logits over those tokens only ([N, Bk, V']); head_rows,
         the frozen LM head's rows of vocab_ids, saves gathering them on every call."""
         w2 = None
+        if self.fixed_vocab:
+            raise DSparkError("dspark does not train a reduced-vocabulary (d2t) drafter")
         if vocab_ids is None:
             logits = self.lm_head(hidden)
         else:

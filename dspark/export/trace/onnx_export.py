@@ -318,12 +318,17 @@ def check_draft_vocab(draft: str, draft_vocab: int | None) -> None:
 
 
 def draft_ids_for(pair: Pair, size: int, stop_ids: tuple[int, ...]):
-    """The draft vocabulary an export with --draft-vocab SIZE chose (the checkpoint's own ranking)."""
+    """The draft vocabulary an export with --draft-vocab SIZE chose (the checkpoint's own ranking), or the one a
+    reduced-vocabulary drafter brings (its d2t map)."""
+    if pair.drafter.fixed_vocab and size == pair.drafter.cfg.draft_vocab_size:
+        return pair.drafter.draft_ids
     return _draft_ids(pair, size, None, stop_ids)
 
 
 def _draft_ids(pair: Pair, size: int, ranking: list[int] | None, stop_ids: tuple[int, ...]):
-
+    if pair.drafter.fixed_vocab:
+        raise DSparkError(f"this drafter drafts from its own {pair.drafter.cfg.draft_vocab_size}-token vocabulary "
+                          f"(its d2t map): drop --draft-vocab")
     vocab = pair.drafter.cfg.vocab_size
     if ranking is None:
         if pair.draft_source.startswith("random"):
