@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark.bundle import check_expected_acceptance
+from dspark.bundle import MAX_BLOCK, check_expected_acceptance
 from dspark.errors import DSparkError
 from dspark.schema import Fields, check_number
 
@@ -139,7 +139,7 @@ class DraftConfig(LayerGeometry):
             **_geometry(fields),
             num_target_layers=fields.integer("num_target_layers", 1, 4096),
             target_layer_ids=tuple(fields.int_list("target_layer_ids", -1, 4096)),
-            block_size=fields.integer("block_size", 1, 1024),
+            block_size=fields.integer("block_size", 1, MAX_BLOCK),
             mask_token_id=fields.integer("mask_token_id"),
             markov_rank=rank,
             markov_head_type=fields.string("markov_head_type", default="vanilla"),
@@ -172,8 +172,8 @@ class DraftConfig(LayerGeometry):
                               f"block_size is {self.block_size}")
         if self.draft_vocab_size >= self.vocab_size:
             raise DSparkError(f"draft draft_vocab_size {self.draft_vocab_size} is not below vocab_size {self.vocab_size}")
-        if self.block_slots > 1024:
-            raise DSparkError(f"draft block of {self.block_slots} slots is over 1024")
+        if self.block_slots > MAX_BLOCK:
+            raise DSparkError(f"draft block of {self.block_slots} slots is over {MAX_BLOCK}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DSparkError(f"draft mask_token_id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})")
 
