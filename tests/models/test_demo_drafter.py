@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from support import deepspec_schema
+
 from dspark.demo import folder_digest
 from dspark.models.checkpoint import load_draft, read_draft_config
 from dspark.resolve import resolve_draft
@@ -58,9 +60,11 @@ def test_the_demo_drafter_becomes_a_complete_deepspec_checkpoint(smollm2, tmp_pa
     assert result.exit_code == 0, result.output
     raw = json.loads((out / "config.json").read_text())
     assert raw["num_anchors"] == DEEPSPEC_NUM_ANCHORS and raw["architectures"] == ["Qwen3DSparkModel"]
+    assert deepspec_schema.config_problems(raw) == []  # every field DeepSpec's model reads, typed as it reads it
     assert (out / "model.safetensors").stat().st_mode & 0o044  # readable like any file the user writes
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(saved) == deepspec_schema.weight_names(raw)  # DeepSpec's state dict, no key missing or extra
     with safe_open(str(resolve_draft(NAME) / "model.safetensors"), "pt") as f:
         assert all(torch.equal(saved[k], f.get_tensor(k)) for k in f.keys())  # its own weights, bit for bit
     body = smollm2[0].loaded.hf_model

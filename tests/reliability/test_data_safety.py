@@ -15,6 +15,7 @@ from dspark.export.trace.onnx_export import check_replaceable
 from dspark.files import Temporary, replace_folder
 from dspark.models.checkpoint import load_draft, save_draft
 from reliability.conftest import tree_hashes
+from support import deepspec_schema
 
 
 def normal(mode: int, folder: bool = False) -> bool:
@@ -180,7 +181,8 @@ def test_save_draft_is_readable_by_deepspec_and_refuses_foreign_folders(tiny_bun
     folder = save_draft(drafter, tmp_path / "ckpt", dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())
     assert config["num_anchors"] == 512  # DeepSpec's model class asserts it
-    assert {"embed_tokens.weight", "lm_head.weight"} <= set(load_file(folder / "model.safetensors"))
+    assert set(load_file(folder / "model.safetensors")) == deepspec_schema.weight_names(config)
+    assert deepspec_schema.config_problems(config) == []
     assert normal(folder.stat().st_mode, folder=True) and normal((folder / "config.json").stat().st_mode)
     standalone = load_draft(folder)  # no target needed: the shared weights are in the file
     torch.testing.assert_close(standalone.lm_head.weight, drafter.lm_head.weight)

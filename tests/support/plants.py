@@ -137,3 +137,26 @@ class _Host:
 
     def numpy(self) -> np.ndarray:
         return self.array
+
+
+class LateFeatures:
+    """Wraps a runtime's draft graph so each position's target features arrive one position late (the features of
+    a request's positions shifted by one, as a tap read off by one position would give them). Rows are taken as
+    fixed slots, as in a decode whose requests all start together."""
+
+    def __init__(self, rt):
+        self.graph = rt.backend.draft
+        self.run = self.graph.run
+        self.last: dict[int, np.ndarray] = {}
+        self.graph.run = self
+
+    def __call__(self, feeds, *args, **kwargs):
+        features = np.array(feeds["ctx_features"])
+        late = features.copy()
+        for row, count in enumerate(int(c) for c in np.asarray(feeds["ctx_count"])):
+            if count == 0:
+                continue
+            late[row, 0] = self.last.get(row, np.zeros_like(features[row, 0]))
+            late[row, 1:count] = features[row, :count - 1]
+            self.last[row] = features[row, count - 1].copy()
+        return self.run({**feeds, "ctx_features": late}, *args, **kwargs)
