@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark.errors import DSparkError
+from dspark.models.gemma4_config import FULL, GEMMA4_TEXT, GEMMA4_TOP, SLIDING, gemma4_fields, gemma4_text_config
 from dspark.schema import Fields, check_number
 
-SUPPORTED_FAMILIES = ("llama", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma4")
+MODEL_TYPES = ("llama", "qwen3", *GEMMA4_TOP, *GEMMA4_TEXT)  # gemma4*: family gemma4
 WEIGHTS = "model.safetensors"  # a DeepSpec checkpoint's weights, or shards listed by WEIGHTS_INDEX
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DEEPSPEC_NUM_ANCHORS = 512  # anchors per sequence in DeepSpec's training (its config.json must name it)
@@ -64,17 +66,64 @@ def _geometry(cfg: Fields) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TargetConfig(LayerGeometry):
+    """The target's geometry. Llama/Qwen3 layers are uniform; Gemma-4 mixes sliding-window layers (head_dim,
+    num_kv_heads, `rope`) with full layers (their own head dim and KV heads, `rope_full`): the per-layer tuples
+    say which, and num_kv_heads/head_dim/rope are then the sliding layers'."""
+
     family: str
     tie_word_embeddings: bool
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    sliding_window: int = 0  # a sliding layer's query at position p sees keys at positions > p - sliding_window
+    k_eq_v: bool = False  # full layers have no v_proj: V is k_proj's output (v_norm'd, no RoPE)
+    final_logit_softcapping: float = 0.0  # 0: none, else logits = s * tanh(logits / s)
+    embed_scale: float = 1.0  # the input embedding is multiplied by it (Gemma: sqrt(hidden_size))
+    rope_full: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "target config") -> "TargetConfig":
-        family = cfg.get("model_type") if isinstance(cfg, dict) else None
-        if family not in SUPPORTED_FAMILIES:
-            raise DSparkError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+        if model_type not in MODEL_TYPES:
+            raise DSparkError(f"target model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+        if model_type in GEMMA4_TOP + GEMMA4_TEXT:
+            return cls._gemma4(cfg, where)
         fields = Fields(cfg, where)
-        return cls(**_geometry(fields), family=family,
+        return cls(**_geometry(fields), family=model_type,
                    tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False))
+
+    @classmethod
+    def _gemma4(cls, cfg: dict[str, Any], where: str) -> "TargetConfig":
+        text, text_where = gemma4_text_config(cfg, where)
+        fields = Fields(text, text_where)
+        geometry = _geometry(fields)
+        extra = gemma4_fields(fields, geometry["num_layers"], geometry["num_heads"], geometry["head_dim"],
+                              geometry["num_kv_heads"])
+        geometry["rope"] = extra.pop("rope")
+        tie = Fields(cfg, where).boolean("tie_word_embeddings", default=fields.boolean("tie_word_embeddings",
+                                                                                        default=True))
+        return cls(**geometry, **extra, family="gemma4", tie_word_embeddings=tie)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def rope_of(self, layer: int) -> dict[str, Any]:
+        return self.rope_full if self.layer_types and not self.is_sliding(layer) else self.rope
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same KV geometry, RoPE and unbounded attention (one [L, 2, B, Hkv, cap, hd] cache)."""
+        return not self.layer_types
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == FULL)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,23 @@ class TargetStep:
 
 
 def kv_cache_shape(cfg: TargetConfig, batch: int, capacity: int) -> tuple[int, ...]:
+    if not cfg.uniform:
+        raise DSparkError(f"a {cfg.family} target's layers differ in KV geometry: its cache is a LayerKV, not one "
+                          f"[L, 2, B, Hkv, cap, hd] tensor")
     return (cfg.num_layers, 2, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+
+
+def text_body(hf_model: nn.Module) -> nn.Module:
+    """The decoder (embed_tokens, layers, norm) of a causal LM, or of a multimodal Gemma-4's language model."""
+    return getattr(hf_model.model, "language_model", hf_model.model)
+
+
+def wrap_target(hf_model: nn.Module, tap_ids: tuple[int, ...] = ()) -> "TargetModel":
+    """The wrapper class of the model's family (Gemma-4 has its own)."""
+    if TargetConfig.from_dict(hf_model.config.to_dict()).family == "gemma4":
+        from dspark.models.target_gemma4 import Gemma4Target
+        return Gemma4Target(hf_model, tap_ids)
+    return TargetModel(hf_model, tap_ids)
 
 
 class TargetModel(nn.Module):
@@ -53,7 +69,7 @@ class TargetModel(nn.Module):
             if not -1 <= i < last:
                 raise DSparkError(f"tap id {i} must be in -1..{last - 1} (the last layer's output is post-norm in HF)")
         self.tap_ids = tuple(tap_ids)
-        body = hf_model.model
+        body = text_body(hf_model)
         self.embed_tokens = body.embed_tokens
         self.layers = body.layers
         self.norm = body.norm
@@ -141,7 +157,7 @@ class LoadedTarget:
     precision: str = "fp32"  # what its checkpoint stores its weight matrices at (known for a lazy load)
 
     def wrapper(self, tap_ids: tuple[int, ...] = ()) -> TargetModel:
-        return TargetModel(self.hf_model, tap_ids).eval()
+        return wrap_target(self.hf_model, tap_ids).eval()
 
     def tokenizer_files(self) -> list[Path]:
         return [self.folder / f for f in TOKENIZER_FILES if (self.folder / f).exists()]

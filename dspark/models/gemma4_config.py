@@ -1,0 +1,120 @@
+"""Gemma-4 text configs: the per-layer geometry (sliding-window vs full layers) a uniform LayerGeometry lacks.
+
+A Gemma-4 config.json is either a multimodal `gemma4` / `gemma4_unified` config whose decoder lives under
+`text_config`, or a `gemma4_text` / `gemma4_unified_text` one. Two spellings of the full layers' geometry exist:
+the checkpoints' own (`global_head_dim`, `num_global_key_value_heads`, as transformers 5.10 writes it) and the
+`per_layer_config` overrides newer transformers write instead; both are read here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dspark.errors import DSparkError
+from dspark.schema import Fields, check_number
+
+GEMMA4_TOP = ("gemma4", "gemma4_unified")
+GEMMA4_TEXT = ("gemma4_text", "gemma4_unified_text")
+SLIDING, FULL = "sliding_attention", "full_attention"
+ACTIVATIONS = ("gelu_pytorch_tanh",)  # the one the released Gemma-4 configs use
+
+
+def gemma4_text_config(cfg: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """The decoder's config (and where it is) of a Gemma-4 config.json, top-level or text-only."""
+    if cfg.get("model_type") in GEMMA4_TOP:
+        text = Fields(cfg, where).obj("text_config").raw
+        if text.get("model_type", GEMMA4_TEXT[GEMMA4_TOP.index(cfg["model_type"])]) not in GEMMA4_TEXT:
+            raise DSparkError(f"{where}.text_config.model_type {text.get('model_type')!r} is not a Gemma-4 text "
+                              f"decoder ({', '.join(GEMMA4_TEXT)})")
+        return text, f"{where}.text_config"
+    return cfg, where
+
+
+def _rope(raw: Any, where: str) -> dict[str, Any]:
+    f = Fields(raw, where)
+    kind = f.string("rope_type", default="default", choices=("default", "proportional"))
+    rope = {"rope_type": kind, "rope_theta": f.number("rope_theta", positive=True, default=10000.0)}
+    if kind == "proportional":
+        rope["partial_rotary_factor"] = f.number("partial_rotary_factor", positive=True, default=1.0)
+        rope["factor"] = f.number("factor", positive=True, default=1.0)
+        if rope["partial_rotary_factor"] > 1:
+            f.fail("partial_rotary_factor", f"is {rope['partial_rotary_factor']}, above 1")
+    return rope
+
+
+def gemma4_ropes(f: Fields) -> tuple[dict[str, Any], dict[str, Any]]:
+    """RoPE of the sliding and of the full layers (`rope_parameters` keyed by layer type)."""
+    ropes = f.obj("rope_parameters", default={
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+    if not set(ropes.raw) <= {SLIDING, FULL}:
+        f.fail("rope_parameters", f"must be keyed by {SLIDING} / {FULL}, not {sorted(ropes.raw)}")
+    return (_rope(ropes.raw.get(SLIDING, {}), f"{ropes.where}.{SLIDING}"),
+            _rope(ropes.raw.get(FULL, {}), f"{ropes.where}.{FULL}"))
+
+
+def refuse_unsupported(f: Fields) -> None:
+    """One line for each Gemma-4 feature dspark does not implement (gemma-4-12B-it uses none of them)."""
+    if f.integer("hidden_size_per_layer_input", 0, default=0):
+        f.fail("hidden_size_per_layer_input", "> 0: per-layer input embeddings (PLE, the E2B/E4B models) are not "
+               "supported")
+    if f.boolean("enable_moe_block", default=False):
+        f.fail("enable_moe_block", "is true: Gemma-4 mixture-of-experts blocks (26B-A4B) are not supported")
+    if f.integer("num_kv_shared_layers", 0, default=0):
+        f.fail("num_kv_shared_layers", "> 0: layers reusing an earlier layer's K/V are not supported")
+    if f.get("use_bidirectional_attention") == "all":
+        f.fail("use_bidirectional_attention", "is 'all': only a causal decoder can be a target")
+    f.string("hidden_activation", default=ACTIVATIONS[0], choices=ACTIVATIONS)
+
+
+def gemma4_layer_dims(f: Fields, layer_types: list[str], head_dim: int, kv_heads: int
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-layer (head_dim, num_key_value_heads): sliding layers use head_dim / num_key_value_heads; full layers
+    global_head_dim and, when attention_k_eq_v, num_global_key_value_heads (transformers' rule)."""
+    dims, heads = [head_dim] * len(layer_types), [kv_heads] * len(layer_types)
+    if f.has("per_layer_config"):
+        over = f.obj("per_layer_config")
+        for key, value in over.raw.items():
+            one = Fields(value, f"{over.where}.{key}")
+            if not (isinstance(key, str) and key.isdigit() and int(key) < len(layer_types)):
+                over.fail(str(key), f"is not a layer index below {len(layer_types)}")
+            if not set(one.raw) <= {"head_dim", "num_key_value_heads"}:
+                one.fail("", f"overrides {sorted(one.raw)}; only head_dim and num_key_value_heads are supported")
+            dims[int(key)] = one.integer("head_dim", 1, default=dims[int(key)])
+            heads[int(key)] = one.integer("num_key_value_heads", 1, default=heads[int(key)])
+    else:
+        k_eq_v = f.boolean("attention_k_eq_v", default=False)
+        global_dim = f.integer("global_head_dim", 1, default=512)
+        global_kv = f.integer("num_global_key_value_heads", 1, default=kv_heads) if k_eq_v else kv_heads
+        for i, kind in enumerate(layer_types):
+            if kind == FULL:
+                dims[i], heads[i] = global_dim, global_kv
+    return tuple(dims), tuple(heads)
+
+
+def gemma4_fields(f: Fields, num_layers: int, heads: int, head_dim: int, kv_heads: int) -> dict[str, Any]:
+    """TargetConfig's Gemma-4 fields from a text config (unsupported features refused, one line each)."""
+    refuse_unsupported(f)
+    layer_types = f.get("layer_types")
+    if layer_types is None:  # transformers' default: every 6th layer full, and the last
+        layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
+    if not (isinstance(layer_types, list) and len(layer_types) == num_layers
+            and all(t in (SLIDING, FULL) for t in layer_types)):
+        f.fail("layer_types", f"must list {num_layers} entries of {SLIDING} / {FULL}")
+    layer_types = list(layer_types[:-1]) + [FULL]  # transformers forces the last layer to full attention
+    dims, kv = gemma4_layer_dims(f, layer_types, head_dim, kv_heads)
+    for i, h in enumerate(kv):
+        if heads % h:
+            f.fail("layer_types", f"layer {i} has {h} KV heads, which do not divide {heads} attention heads")
+    sliding, full = gemma4_ropes(f)
+    softcap = f.get("final_logit_softcapping")
+    if softcap is not None:
+        check_number(softcap, f"{f.where}.final_logit_softcapping", positive=True)
+    return dict(
+        layer_types=tuple(layer_types), layer_head_dims=dims, layer_kv_heads=kv,
+        sliding_window=f.integer("sliding_window", 1, default=512),
+        k_eq_v=f.boolean("attention_k_eq_v", default=False),
+        final_logit_softcapping=float(softcap or 0.0),
+        embed_scale=math.sqrt(f.integer("hidden_size", 1)),
+        rope=sliding, rope_full=full,
+    )
