@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark.errors import DSparkError
-from dspark.models.gemma4_config import FULL, GEMMA4_TEXT, GEMMA4_TOP, SLIDING, gemma4_fields, gemma4_text_config
+from dspark.models.gemma4_config import (FULL, GEMMA4_DRAFT_DERIVED, GEMMA4_DRAFT_KEPT, GEMMA4_TEXT, GEMMA4_TOP,
+                                         SLIDING, gemma4_draft_fields, gemma4_draft_geometry_dict, gemma4_fields,
+                                         gemma4_text_config)
 from dspark.schema import Fields, check_number
 
 SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma4")
@@ -141,6 +143,12 @@ class DraftConfig(LayerGeometry):
     # Sequential Temperature Scaling: one temperature per block position (1.0 = uncalibrated).
     confidence_temperatures: tuple[float, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # DeepSpec's draft architecture: "qwen3" (Qwen3DSparkModel, for Qwen3 and Llama targets) or "gemma4"
+    # (Gemma4DSparkModel: the fields below, sandwich norms, v_norm, gelu-tanh MLP; see drafter_gemma4)
+    variant: str = "qwen3"
+    k_eq_v: bool = False
+    final_logit_softcapping: float = 0.0
+    embed_scale: float = 1.0
 
     @property
     def num_taps(self) -> int:
@@ -168,8 +176,12 @@ class DraftConfig(LayerGeometry):
             raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
         rank = fields.integer("markov_rank", 0, 1 << 16, default=0)
         temps = fields.number_list("confidence_temperatures", positive=True, default=[])
+        geometry, variant, known = _geometry(fields), {}, _DRAFT_KEYS
+        if "Gemma4DSparkModel" in archs:
+            variant = gemma4_draft_fields(fields, geometry)
+            known = (_DRAFT_KEYS - set(GEMMA4_DRAFT_KEPT)) | set(GEMMA4_DRAFT_DERIVED)
         out = cls(
-            **_geometry(fields),
+            **geometry, **variant,
             num_target_layers=fields.integer("num_target_layers", 1, 4096),
             target_layer_ids=tuple(fields.int_list("target_layer_ids", -1, 4096)),
             block_size=fields.integer("block_size", 1, 1024),
@@ -179,7 +191,7 @@ class DraftConfig(LayerGeometry):
             enable_confidence_head=fields.boolean("enable_confidence_head", default=False),
             confidence_head_with_markov=fields.boolean("confidence_head_with_markov", default=rank > 0),
             confidence_temperatures=tuple(temps),
-            extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
+            extra={k: v for k, v in cfg.items() if k not in known},
         )
         out.validate()
         # settings of a head the draft does not have mean nothing: kept as to_dict writes them (it omits them)
@@ -235,6 +247,10 @@ class DraftConfig(LayerGeometry):
             cfg["markov_head_type"] = self.markov_head_type
         if self.confidence_temperatures:
             cfg["confidence_temperatures"] = list(self.confidence_temperatures)
+        if self.variant == "gemma4":
+            for key in ("hidden_act", "head_dim", "num_key_value_heads"):
+                del cfg[key]
+            cfg.update(gemma4_draft_geometry_dict(self))
         return cfg
 
     def check_fits(self, target: TargetConfig) -> None:
@@ -247,6 +263,9 @@ class DraftConfig(LayerGeometry):
         for name, ours, theirs in checks:
             if ours != theirs:
                 raise DSparkError(f"draft does not fit the target: draft {name}={ours}, target has {theirs}")
+        if (self.variant == "gemma4") != (target.family == "gemma4"):
+            raise DSparkError(f"draft does not fit the target: a {self.variant}-style draft for a {target.family} "
+                              f"target (Gemma-4 targets take Gemma4DSparkModel drafts, others Qwen3DSparkModel)")
         _check_taps(self.target_layer_ids, target.num_layers, "draft does not fit the target: target_layer_id")
 
 
@@ -280,17 +299,26 @@ def draft_config_for(target: TargetConfig, *, mask_token_id: int, num_layers: in
                      target_layer_ids: tuple[int, ...] | None = None, markov_rank: int = 64,
                      markov_head_type: str = "vanilla", confidence_head: bool = True,
                      intermediate_size: int | None = None) -> DraftConfig:
-    """A new DSpark draft config whose geometry and RoPE follow the target (as DeepSpec's configs do)."""
+    """A new DSpark draft config whose geometry and RoPE follow the target (as DeepSpec's configs do; a Gemma-4
+    target's draft layers are copies of its full layers: see gemma4_draft_fields)."""
+    full = target.full_layer_ids[0] if target.full_layer_ids else 0
+    variant: dict[str, Any] = {}
+    if target.family == "gemma4":
+        variant = dict(variant="gemma4", k_eq_v=target.k_eq_v, final_logit_softcapping=target.final_logit_softcapping,
+                       embed_scale=target.embed_scale,
+                       extra=dict(head_dim=target.head_dim, num_key_value_heads=target.num_kv_heads,
+                                  rope_parameters={SLIDING: dict(target.rope), FULL: dict(target.rope_full)}))
     cfg = DraftConfig(
         hidden_size=target.hidden_size,
         num_layers=num_layers,
         num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
+        num_kv_heads=target.kv_heads_of(full),
+        head_dim=target.head_dim_of(full),
         intermediate_size=intermediate_size or target.intermediate_size,
         vocab_size=target.vocab_size,
         rms_norm_eps=target.rms_norm_eps,
-        rope=dict(target.rope),
+        rope=dict(target.rope_of(full)),
+        **variant,
         num_target_layers=target.num_layers,
         target_layer_ids=tuple(target_layer_ids or default_tap_ids(target.num_layers)),
         block_size=block_size,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dspark.models.config import DraftConfig
+from dspark.models.drafter_gemma4 import Gemma4DraftLayer
 from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.models.sampling import prefix_survival, sample, token_probs
 
@@ -126,7 +127,8 @@ class DSparkDrafter(nn.Module):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(v, d)
         self.lm_head = lm_head if lm_head is not None else nn.Linear(d, v, bias=False)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        layer = Gemma4DraftLayer if cfg.variant == "gemma4" else DraftLayer
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -156,7 +158,12 @@ class DSparkDrafter(nn.Module):
         ids = torch.full((anchor.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=anchor.dtype,
                          device=anchor.device)
         ids = torch.cat([anchor[:, None], ids[:, 1:]], dim=1)
-        return self.embed_tokens(ids)
+        if self.cfg.embed_scale == 1.0:
+            return self.embed_tokens(ids)
+        # Gemma: sqrt(d) in the weights' dtype, as HF's scaled embedding; applied to the weight's rows (a shared
+        # target embedding module may scale by itself)
+        w = self.embed_tokens.weight
+        return nn.functional.embedding(ids, w) * torch.tensor(self.cfg.embed_scale, dtype=w.dtype, device=w.device)
 
     def backbone(
         self,
@@ -231,6 +238,12 @@ class DSparkDrafter(nn.Module):
 
     # -- sequential heads -------------------------------------------------------------------------------------
 
+    def base_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """U_k = lm_head(h_k) (over `rows` of the head when given), soft-capped for Gemma before any Markov bias."""
+        logits = self.lm_head(hidden) if rows is None else nn.functional.linear(hidden, rows)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     def confidence_features(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
         return torch.cat([h, e], dim=-1) if self.cfg.confidence_head_with_markov else h
 
@@ -241,7 +254,7 @@ class DSparkDrafter(nn.Module):
         hidden [B, Bk, d], anchor [B], temperature [B], noise [B, Bk] uniforms in (0, 1].
         """
         ids = self.draft_ids
-        base = self.lm_head(hidden) if ids is None else nn.functional.linear(hidden, self.draft_lm_weight)
+        base = self.base_logits(hidden, None if ids is None else self.draft_lm_weight)
         prev, state = anchor, None
         tokens, probs, confs = [], [], []
         for k in range(self.cfg.block_size):
@@ -279,9 +292,9 @@ class DSparkDrafter(nn.Module):
         the frozen LM head's rows of vocab_ids, saves gathering them on every call."""
         w2 = None
         if vocab_ids is None:
-            logits = self.lm_head(hidden)
+            logits = self.base_logits(hidden)
         else:
-            logits = nn.functional.linear(hidden, self.lm_head.weight[vocab_ids] if head_rows is None else head_rows)
+            logits = self.base_logits(hidden, self.lm_head.weight[vocab_ids] if head_rows is None else head_rows)
             if self.markov_head is not None:
                 w2 = self.markov_head.markov_w2.weight[vocab_ids]
         e = None

@@ -118,3 +118,50 @@ def gemma4_fields(f: Fields, num_layers: int, heads: int, head_dim: int, kv_head
         embed_scale=math.sqrt(f.integer("hidden_size", 1)),
         rope=sliding, rope_full=full,
     )
+
+
+# -- the Gemma-4 DSpark draft (DeepSpec's Gemma4DSparkModel: config = the target's text config + DSpark fields) --
+
+# kept verbatim in DraftConfig.extra (the sliding layers' geometry, which the draft does not use but its config
+# carries), and re-derived from the draft's own fields when written
+GEMMA4_DRAFT_KEPT = ("head_dim", "num_key_value_heads", "rope_parameters", "model_type")
+GEMMA4_DRAFT_DERIVED = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "final_logit_softcapping",
+                        "hidden_activation", "hidden_size_per_layer_input", "enable_moe_block",
+                        "num_kv_shared_layers", "use_double_wide_mlp")
+
+
+def gemma4_draft_fields(f: Fields, geometry: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma-4 draft's attention geometry follows the target's full layers: head_dim = global_head_dim; KV heads
+    = num_global_key_value_heads with attention_k_eq_v (no v_proj), else num_key_value_heads; full-layer RoPE."""
+    refuse_unsupported(f)
+    k_eq_v = f.boolean("attention_k_eq_v", default=False)
+    kv = f.integer("num_global_key_value_heads", 1) if k_eq_v else geometry["num_kv_heads"]
+    if geometry["num_heads"] % kv:
+        f.fail("num_global_key_value_heads", f"{kv} does not divide num_attention_heads {geometry['num_heads']}")
+    softcap = f.get("final_logit_softcapping")
+    if softcap is not None:
+        check_number(softcap, f"{f.where}.final_logit_softcapping", positive=True)
+    geometry.update(head_dim=f.integer("global_head_dim", 1, default=512), num_kv_heads=kv, rope=gemma4_ropes(f)[1])
+    return dict(variant="gemma4", k_eq_v=k_eq_v, final_logit_softcapping=float(softcap or 0.0),
+                embed_scale=math.sqrt(geometry["hidden_size"]))
+
+
+def gemma4_draft_geometry_dict(cfg: Any) -> dict[str, Any]:
+    """The Gemma-4 text-config fields of a draft's config.json (what DeepSpec's Gemma4DSparkModel reads)."""
+    extra = cfg.extra
+    ropes = dict(extra.get("rope_parameters") or {SLIDING: {"rope_type": "default", "rope_theta": 10000.0}})
+    ropes[FULL] = dict(cfg.rope)
+    out = dict(
+        model_type=extra.get("target_text_model_type", extra.get("model_type", "gemma4_text")),
+        architectures=["Gemma4DSparkModel"],
+        head_dim=extra.get("head_dim", cfg.head_dim),
+        num_key_value_heads=extra.get("num_key_value_heads", cfg.num_kv_heads) if cfg.k_eq_v else cfg.num_kv_heads,
+        global_head_dim=cfg.head_dim,
+        num_global_key_value_heads=cfg.num_kv_heads,
+        attention_k_eq_v=cfg.k_eq_v,
+        rope_parameters=ropes,
+        final_logit_softcapping=cfg.final_logit_softcapping or None,
+        hidden_activation=ACTIVATIONS[0],
+        hidden_size_per_layer_input=0, enable_moe_block=False, num_kv_shared_layers=0, use_double_wide_mlp=False,
+    )
+    return out

@@ -95,3 +95,24 @@ def param_count(text: dict) -> dict[str, int]:
     out.update(attention=attn, mlp=mlp, norms=norms, layer_scalars=len(text["layer_types"]))
     out["total"] = sum(out.values())
     return out
+
+
+def tiny_gemma4_pair(seed: int = 0, block_size: int = 4, draft_layers: int = 2, markov_rank: int = 8,
+                     tap_ids: tuple[int, ...] = (0, 1, 2), **over):
+    """(hf, target, drafter): the tiny Gemma-4 and a random Gemma-4 DSpark drafter sharing its embedding/head."""
+    from dspark.models.config import draft_config_for
+    from dspark.models.drafter import DSparkDrafter, init_weights
+    from dspark.models.target import wrap_target
+
+    hf = tiny_gemma4(seed, **over)
+    target = wrap_target(hf, tap_ids).eval()
+    cfg = draft_config_for(target.cfg, mask_token_id=4, num_layers=draft_layers, block_size=block_size,
+                           target_layer_ids=tap_ids, markov_rank=markov_rank)
+    drafter = DSparkDrafter(cfg, embed_tokens=hf.model.embed_tokens, lm_head=hf.lm_head)
+    torch.manual_seed(seed + 1)
+    init_weights(drafter, std=0.2)
+    with torch.no_grad():
+        for name, b in drafter.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+    return hf, target, drafter.eval()
