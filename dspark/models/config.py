@@ -46,9 +46,9 @@ class LayerGeometry:
     rope: dict[str, Any] = field(compare=False, hash=False)
 
 
-def _geometry(cfg: Fields) -> dict[str, Any]:
+def _geometry(cfg: Fields, with_rope: bool = True) -> dict[str, Any]:
     """LayerGeometry's fields from an HF config.json (num_key_value_heads and head_dim may be absent), each
-    checked for type and range."""
+    checked for type and range. Without with_rope (Gemma-4: RoPE by layer type) the caller reads the RoPE."""
     d, heads = cfg.integer("hidden_size", 1), cfg.integer("num_attention_heads", 1)
     kv = cfg.integer("num_key_value_heads", 1, heads, default=heads)
     if heads % kv:
@@ -62,7 +62,7 @@ def _geometry(cfg: Fields) -> dict[str, Any]:
         intermediate_size=cfg.integer("intermediate_size", 1),
         vocab_size=cfg.integer("vocab_size", 1),
         rms_norm_eps=cfg.number("rms_norm_eps", positive=True),
-        rope=_rope(cfg),
+        rope=_rope(cfg) if with_rope else {},
     )
 
 
@@ -98,7 +98,7 @@ class TargetConfig(LayerGeometry):
     def _gemma4(cls, cfg: dict[str, Any], where: str) -> "TargetConfig":
         text, text_where = gemma4_text_config(cfg, where)
         fields = Fields(text, text_where)
-        geometry = _geometry(fields)
+        geometry = _geometry(fields, with_rope=False)
         extra = gemma4_fields(fields, geometry["num_layers"], geometry["num_heads"], geometry["head_dim"],
                               geometry["num_kv_heads"])
         geometry["rope"] = extra.pop("rope")
@@ -176,8 +176,9 @@ class DraftConfig(LayerGeometry):
             raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
         rank = fields.integer("markov_rank", 0, 1 << 16, default=0)
         temps = fields.number_list("confidence_temperatures", positive=True, default=[])
-        geometry, variant, known = _geometry(fields), {}, _DRAFT_KEYS
-        if "Gemma4DSparkModel" in archs:
+        gemma = "Gemma4DSparkModel" in archs
+        geometry, variant, known = _geometry(fields, with_rope=not gemma), {}, _DRAFT_KEYS
+        if gemma:
             variant = gemma4_draft_fields(fields, geometry)
             known = (_DRAFT_KEYS - set(GEMMA4_DRAFT_KEPT)) | set(GEMMA4_DRAFT_DERIVED)
         out = cls(

@@ -47,7 +47,9 @@ def gemma4_ropes(f: Fields) -> tuple[dict[str, Any], dict[str, Any]]:
     ropes = f.obj("rope_parameters", default={
         SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
-    if not set(ropes.raw) <= {SLIDING, FULL}:
+    # (a top-level rope_theta / rope_type beside the two is what transformers' standardisation leaves in a config
+    # whose layer_types lost a kind, e.g. DeepSpec's draft configs: it applies to neither and is ignored)
+    if not set(ropes.raw) <= {SLIDING, FULL, "rope_theta", "rope_type"}:
         f.fail("rope_parameters", f"must be keyed by {SLIDING} / {FULL}, not {sorted(ropes.raw)}")
     return (_rope(ropes.raw.get(SLIDING, {}), f"{ropes.where}.{SLIDING}"),
             _rope(ropes.raw.get(FULL, {}), f"{ropes.where}.{FULL}"))
