@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.models.layer_kv import LayerKV
 from dspark.models.layers import apply_rope, grouped_attention, rms_norm, rope_cos_sin, rope_inv_freq
-from dspark.models.target import TargetModel, TargetStep
+from dspark.models.target_model import TargetModel, TargetStep
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
