@@ -118,8 +118,26 @@ def _lazy_model(folder: Path, dtype: torch.dtype, gguf: Path | None = None
             raise DSparkError(f"target checkpoint {tensors.folder}: {name} is {list(tensors.shapes[name])}, its "
                               f"config says {list(params[name].shape)}")
     lazy = LazyWeights()
-    lazy.add_checkpoint(tensors, params)
+    lazy.add_checkpoint(tensors, {**params, **_lazy_buffers(hf, tensors, lazy)})
     return hf.eval(), lazy, tensors.precision()
+
+
+def _lazy_buffers(hf: nn.Module, tensors, lazy: LazyWeights) -> dict[str, torch.Tensor]:
+    """Buffers the wrapper computes with: saved ones (Gemma-4's layer_scalar) are returned, to be read from the
+    checkpoint like weights; a scaled embedding's embed_scale, never saved, is registered in `lazy` with its value
+    (the module keeps it as a number)."""
+    found = {}
+    for name, buf in hf.named_buffers():
+        if name in tensors:
+            if tuple(tensors.shapes[name]) != tuple(buf.shape):
+                raise DSparkError(f"target checkpoint {tensors.folder}: {name} is {list(tensors.shapes[name])}, "
+                                  f"its config says {list(buf.shape)}")
+            found[name] = buf
+    for name, module in hf.named_modules():
+        scale, buf = getattr(module, "scalar_embed_scale", None), getattr(module, "embed_scale", None)
+        if scale is not None and isinstance(buf, torch.Tensor) and buf.is_meta:
+            lazy.add(buf, ("constant", f"{name}.embed_scale", float(scale)), lambda v=float(scale): torch.tensor(v))
+    return found
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:

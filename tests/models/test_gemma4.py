@@ -11,8 +11,10 @@ from dspark.errors import DSparkError
 from dspark.models.config import TargetConfig
 from dspark.models.layer_kv import LayerKV
 from dspark.models.reference import _write, generate_ar
-from dspark.models.target import wrap_target
+from dspark.models.pair import load_pair
+from dspark.models.target import load_target, wrap_target
 from support.gemma4 import GEMMA4_12B_IT, F, S, param_count, tiny_gemma4, tiny_gemma4_text
+from support.tiny import tiny_tokenizer_folder
 
 TOL = 1e-5
 
@@ -148,3 +150,23 @@ def test_generate_ar_equals_transformers_greedy():
 def test_layer_types_must_match_the_layer_count():
     with pytest.raises(DSparkError, match="layer_types must list 4 entries"):
         TargetConfig.from_dict(tiny_gemma4_text(layer_types=[S, F]))
+
+
+@torch.no_grad()
+def test_load_target_eager_and_lazy(tmp_path):
+    """From a saved folder: the eager load, and the lazy one (meta modules; layer_scalar read from the checkpoint
+    like the weights, embed_scale known from the module) once a pair realizes it."""
+    hf = tiny_gemma4(seed=2)
+    folder = tmp_path / "gemma"
+    hf.save_pretrained(folder)
+    tiny_tokenizer_folder(folder, 90)  # ids 90..95 unused: the random drafter's mask token
+    seq = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    want = hf(input_ids=seq).logits
+    for target in (load_target(str(folder)).wrapper(), None):
+        if target is None:
+            pair = load_pair(str(folder), "random", lazy=True)
+            assert pair.loaded.lazy is not None and pair.drafter.cfg.variant == "gemma4"
+            pair.realize()
+            target = pair.target
+        got = target.logits(target(seq, torch.zeros(1, 7, dtype=torch.int64), target.new_cache(1, 7)).hidden)
+        assert (got - want).abs().max() < TOL
