@@ -170,3 +170,32 @@ def test_load_target_eager_and_lazy(tmp_path):
             target = pair.target
         got = target.logits(target(seq, torch.zeros(1, 7, dtype=torch.int64), target.new_cache(1, 7)).hidden)
         assert (got - want).abs().max() < TOL
+
+
+def _multimodal(kind: str):
+    """The tiny Gemma-4 as a gemma4 (multimodal, no towers) or gemma4_unified_text model (the 12B's decoder type)."""
+    import transformers as tf
+
+    text = {k: v for k, v in tiny_gemma4_text().items() if k != "model_type"}
+    torch.manual_seed(4)
+    if kind == "gemma4":
+        cfg = tf.Gemma4Config(text_config=tf.Gemma4TextConfig(**text), vision_config=None, audio_config=None)
+        model = tf.Gemma4ForConditionalGeneration(cfg)
+    else:
+        drop = ("vocab_size_per_layer_input", "hidden_size_per_layer_input", "enable_moe_block", "num_experts",
+                "top_k_experts", "moe_intermediate_size")
+        model = tf.Gemma4UnifiedForCausalLM(tf.Gemma4UnifiedTextConfig(**{k: v for k, v in text.items()
+                                                                           if k not in drop}))
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_unified_text"])
+def test_multimodal_and_unified_models_wrap(kind):
+    hf = _multimodal(kind)
+    target = wrap_target(hf, (0, 1)).eval()
+    assert target.cfg.family == "gemma4" and target.cfg.full_layer_ids == (1, 3)
+    seq = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    got = target.logits(target(seq, torch.zeros(1, 8, dtype=torch.int64), target.new_cache(1, 8)).hidden)
+    assert (got - hf(input_ids=seq).logits).abs().max() < TOL
