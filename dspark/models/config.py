@@ -7,9 +7,13 @@ from typing import Any
 
 from dspark.bundle import MAX_BLOCK, check_expected_acceptance
 from dspark.errors import DSparkError
+from dspark.models.gemma4_config import (FULL, GEMMA4_DRAFT_DERIVED, GEMMA4_DRAFT_KEPT, GEMMA4_TEXT, GEMMA4_TOP,
+                                         SLIDING, gemma4_draft_fields, gemma4_draft_geometry_dict, gemma4_fields,
+                                         gemma4_text_config)
 from dspark.schema import Fields, check_number
 
-SUPPORTED_FAMILIES = ("llama", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma4")
+MODEL_TYPES = ("llama", "qwen3", *GEMMA4_TOP, *GEMMA4_TEXT)  # gemma4*: family gemma4
 WEIGHTS = "model.safetensors"  # a DeepSpec checkpoint's weights, or shards listed by WEIGHTS_INDEX
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DEEPSPEC_NUM_ANCHORS = 512  # anchors per sequence in DeepSpec's training (its config.json must name it)
@@ -43,9 +47,9 @@ class LayerGeometry:
     rope: dict[str, Any] = field(compare=False, hash=False)
 
 
-def _geometry(cfg: Fields) -> dict[str, Any]:
+def _geometry(cfg: Fields, with_rope: bool = True) -> dict[str, Any]:
     """LayerGeometry's fields from an HF config.json (num_key_value_heads and head_dim may be absent), each
-    checked for type and range."""
+    checked for type and range. Without with_rope (Gemma-4: RoPE by layer type) the caller reads the RoPE."""
     d, heads = cfg.integer("hidden_size", 1), cfg.integer("num_attention_heads", 1)
     kv = cfg.integer("num_key_value_heads", 1, heads, default=heads)
     if heads % kv:
@@ -59,23 +63,70 @@ def _geometry(cfg: Fields) -> dict[str, Any]:
         intermediate_size=cfg.integer("intermediate_size", 1),
         vocab_size=cfg.integer("vocab_size", 1),
         rms_norm_eps=cfg.number("rms_norm_eps", positive=True),
-        rope=_rope(cfg),
+        rope=_rope(cfg) if with_rope else {},
     )
 
 
 @dataclass(frozen=True)
 class TargetConfig(LayerGeometry):
+    """The target's geometry. Llama/Qwen3 layers are uniform; Gemma-4 mixes sliding-window layers (head_dim,
+    num_kv_heads, `rope`) with full layers (their own head dim and KV heads, `rope_full`): the per-layer tuples
+    say which, and num_kv_heads/head_dim/rope are then the sliding layers'."""
+
     family: str
     tie_word_embeddings: bool
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    sliding_window: int = 0  # a sliding layer's query at position p sees keys at positions > p - sliding_window
+    k_eq_v: bool = False  # full layers have no v_proj: V is k_proj's output (v_norm'd, no RoPE)
+    final_logit_softcapping: float = 0.0  # 0: none, else logits = s * tanh(logits / s)
+    embed_scale: float = 1.0  # the input embedding is multiplied by it (Gemma: sqrt(hidden_size))
+    rope_full: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "target config") -> "TargetConfig":
-        family = cfg.get("model_type") if isinstance(cfg, dict) else None
-        if family not in SUPPORTED_FAMILIES:
-            raise DSparkError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+        if model_type not in MODEL_TYPES:
+            raise DSparkError(f"target model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+        if model_type in GEMMA4_TOP + GEMMA4_TEXT:
+            return cls._gemma4(cfg, where)
         fields = Fields(cfg, where)
-        return cls(**_geometry(fields), family=family,
+        return cls(**_geometry(fields), family=model_type,
                    tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False))
+
+    @classmethod
+    def _gemma4(cls, cfg: dict[str, Any], where: str) -> "TargetConfig":
+        text, text_where = gemma4_text_config(cfg, where)
+        fields = Fields(text, text_where)
+        geometry = _geometry(fields, with_rope=False)
+        extra = gemma4_fields(fields, geometry["num_layers"], geometry["num_heads"], geometry["head_dim"],
+                              geometry["num_kv_heads"])
+        geometry["rope"] = extra.pop("rope")
+        tie = Fields(cfg, where).boolean("tie_word_embeddings", default=fields.boolean("tie_word_embeddings",
+                                                                                        default=True))
+        return cls(**geometry, **extra, family="gemma4", tie_word_embeddings=tie)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def rope_of(self, layer: int) -> dict[str, Any]:
+        return self.rope_full if self.layer_types and not self.is_sliding(layer) else self.rope
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same KV geometry, RoPE and unbounded attention (one [L, 2, B, Hkv, cap, hd] cache)."""
+        return not self.layer_types
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == FULL)
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,12 @@ class DraftConfig(LayerGeometry):
     # > 0: the drafter's own LM head (and Markov output) has this many rows, one per target id of a d2t map
     draft_vocab_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # DeepSpec's draft architecture: "qwen3" (Qwen3DSparkModel, for Qwen3 and Llama targets) or "gemma4"
+    # (Gemma4DSparkModel: the fields below, sandwich norms, v_norm, gelu-tanh MLP; see drafter_gemma4)
+    variant: str = "qwen3"
+    k_eq_v: bool = False
+    final_logit_softcapping: float = 0.0
+    embed_scale: float = 1.0
 
     @property
     def num_taps(self) -> int:
@@ -135,8 +192,13 @@ class DraftConfig(LayerGeometry):
             raise DSparkError(f"draft config.json lacks {', '.join(missing)}")
         rank = fields.integer("markov_rank", 0, 1 << 16, default=0)
         temps = fields.number_list("confidence_temperatures", positive=True, default=[])
+        gemma = "Gemma4DSparkModel" in archs
+        geometry, variant, known = _geometry(fields, with_rope=not gemma), {}, _DRAFT_KEYS
+        if gemma:
+            variant = gemma4_draft_fields(fields, geometry)
+            known = (_DRAFT_KEYS - set(GEMMA4_DRAFT_KEPT)) | set(GEMMA4_DRAFT_DERIVED)
         out = cls(
-            **_geometry(fields),
+            **geometry, **variant,
             num_target_layers=fields.integer("num_target_layers", 1, 4096),
             target_layer_ids=tuple(fields.int_list("target_layer_ids", -1, 4096)),
             block_size=fields.integer("block_size", 1, MAX_BLOCK),
@@ -148,7 +210,7 @@ class DraftConfig(LayerGeometry):
             confidence_temperatures=tuple(temps),
             sample_from_anchor=fields.boolean("sample_from_anchor", default=True),
             draft_vocab_size=fields.integer("draft_vocab_size", 0, default=0),
-            extra={k: v for k, v in cfg.items() if k not in _DRAFT_KEYS},
+            extra={k: v for k, v in cfg.items() if k not in known},
         )
         if fields.has("expected_acceptance"):
             check_expected_acceptance(fields.obj("expected_acceptance"), out.block_size)
@@ -214,6 +276,10 @@ class DraftConfig(LayerGeometry):
             cfg["sample_from_anchor"] = False
         if self.draft_vocab_size:
             cfg["draft_vocab_size"] = self.draft_vocab_size
+        if self.variant == "gemma4":
+            for key in ("hidden_act", "head_dim", "num_key_value_heads"):
+                del cfg[key]
+            cfg.update(gemma4_draft_geometry_dict(self))
         return cfg
 
     def check_fits(self, target: TargetConfig) -> None:
@@ -226,6 +292,9 @@ class DraftConfig(LayerGeometry):
         for name, ours, theirs in checks:
             if ours != theirs:
                 raise DSparkError(f"draft does not fit the target: draft {name}={ours}, target has {theirs}")
+        if (self.variant == "gemma4") != (target.family == "gemma4"):
+            raise DSparkError(f"draft does not fit the target: a {self.variant}-style draft for a {target.family} "
+                              f"target (Gemma-4 targets take Gemma4DSparkModel drafts, others Qwen3DSparkModel)")
         _check_taps(self.target_layer_ids, target.num_layers, "draft does not fit the target: target_layer_id")
 
 
@@ -274,17 +343,26 @@ def draft_config_for(target: TargetConfig, *, mask_token_id: int, num_layers: in
                      target_layer_ids: tuple[int, ...] | None = None, markov_rank: int = 64,
                      markov_head_type: str = "vanilla", confidence_head: bool = True,
                      intermediate_size: int | None = None) -> DraftConfig:
-    """A new DSpark draft config whose geometry and RoPE follow the target (as DeepSpec's configs do)."""
+    """A new DSpark draft config whose geometry and RoPE follow the target (as DeepSpec's configs do; a Gemma-4
+    target's draft layers are copies of its full layers: see gemma4_draft_fields)."""
+    full = target.full_layer_ids[0] if target.full_layer_ids else 0
+    variant: dict[str, Any] = {}
+    if target.family == "gemma4":
+        variant = dict(variant="gemma4", k_eq_v=target.k_eq_v, final_logit_softcapping=target.final_logit_softcapping,
+                       embed_scale=target.embed_scale,
+                       extra=dict(head_dim=target.head_dim, num_key_value_heads=target.num_kv_heads,
+                                  rope_parameters={SLIDING: dict(target.rope), FULL: dict(target.rope_full)}))
     cfg = DraftConfig(
         hidden_size=target.hidden_size,
         num_layers=num_layers,
         num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
+        num_kv_heads=target.kv_heads_of(full),
+        head_dim=target.head_dim_of(full),
         intermediate_size=intermediate_size or target.intermediate_size,
         vocab_size=target.vocab_size,
         rms_norm_eps=target.rms_norm_eps,
-        rope=dict(target.rope),
+        rope=dict(target.rope_of(full)),
+        **variant,
         num_target_layers=target.num_layers,
         target_layer_ids=tuple(target_layer_ids or default_tap_ids(target.num_layers)),
         block_size=block_size,

@@ -12,6 +12,7 @@ from torch import nn
 
 from dspark.errors import DSparkError
 from dspark.models.config import DraftConfig
+from dspark.models.drafter_gemma4 import Gemma4DraftLayer
 from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
 from dspark.models.sampling import prefix_survival, sample, token_probs
 
@@ -129,7 +130,8 @@ class DSparkDrafter(nn.Module):
         # a reduced draft vocabulary (cfg.draft_vocab_size, from a d2t map) brings its own LM head, never the target's
         own_head = cfg.draft_vocab_size > 0 or lm_head is None
         self.lm_head = nn.Linear(d, cfg.head_rows, bias=False) if own_head else lm_head
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        layer = Gemma4DraftLayer if cfg.variant == "gemma4" else DraftLayer
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -176,7 +178,12 @@ class DSparkDrafter(nn.Module):
         ids = torch.full((anchor.shape[0], self.cfg.block_slots), self.cfg.mask_token_id, dtype=anchor.dtype,
                          device=anchor.device)
         ids = torch.cat([anchor[:, None], ids[:, 1:]], dim=1)
-        return self.embed_tokens(ids)
+        if self.cfg.embed_scale == 1.0:
+            return self.embed_tokens(ids)
+        # Gemma: sqrt(d) in the weights' dtype, as HF's scaled embedding; applied to the weight's rows (a shared
+        # target embedding module may scale by itself)
+        w = self.embed_tokens.weight
+        return nn.functional.embedding(ids, w) * torch.tensor(self.cfg.embed_scale, dtype=w.dtype, device=w.device)
 
     def backbone(
         self,
@@ -251,6 +258,12 @@ class DSparkDrafter(nn.Module):
 
     # -- sequential heads -------------------------------------------------------------------------------------
 
+    def base_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """U_k = lm_head(h_k) (over `rows` of the head when given), soft-capped for Gemma before any Markov bias."""
+        logits = self.lm_head(hidden) if rows is None else nn.functional.linear(hidden, rows)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     def confidence_features(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
         return torch.cat([h, e], dim=-1) if self.cfg.confidence_head_with_markov else h
 
@@ -263,7 +276,7 @@ class DSparkDrafter(nn.Module):
         ids = self.draft_ids
         if self.fixed_vocab and ids is None:
             raise DSparkError("a reduced-vocabulary drafter needs its d2t map (set_draft_vocab) before it drafts")
-        base = self.lm_head(hidden) if self.draft_lm_weight is None else nn.functional.linear(hidden, self.draft_lm_weight)
+        base = self.base_logits(hidden, self.draft_lm_weight)
         prev, state = anchor, None
         tokens, probs, confs = [], [], []
         for k in range(self.cfg.block_size):
@@ -303,9 +316,9 @@ class DSparkDrafter(nn.Module):
         if self.fixed_vocab:
             raise DSparkError("dspark does not train a reduced-vocabulary (d2t) drafter")
         if vocab_ids is None:
-            logits = self.lm_head(hidden)
+            logits = self.base_logits(hidden)
         else:
-            logits = nn.functional.linear(hidden, self.lm_head.weight[vocab_ids] if head_rows is None else head_rows)
+            logits = self.base_logits(hidden, self.lm_head.weight[vocab_ids] if head_rows is None else head_rows)
             if self.markov_head is not None:
                 w2 = self.markov_head.markov_w2.weight[vocab_ids]
         e = None

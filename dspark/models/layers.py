@@ -12,8 +12,13 @@ NEG_INF = torch.finfo(torch.float32).min
 
 
 def rope_inv_freq(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """inv_freq for 'default' and 'llama3' RoPE, as transformers computes it."""
+    """inv_freq for 'default', 'llama3' and 'proportional' RoPE, as transformers computes it."""
     base = float(rope["rope_theta"])
+    if rope.get("rope_type") == "proportional":  # Gemma-4 full layers: the first partial_rotary_factor of the
+        # pairs rotate at the frequencies of the full head_dim, the rest get 0 (cos 1, sin 0: not rotated)
+        angles = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / float(rope.get("factor", 1.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.get("rope_type", "default") == "llama3":
         factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
@@ -44,13 +49,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight. Written with a division (not rsqrt) because that is the pattern ONNX
-    Runtime fuses into one SimplifiedLayerNormalization kernel."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight (no weight: Gemma-4's scale-free v_norm). Written with a division (not
+    rsqrt) because that is the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization kernel."""
     dtype = x.dtype
     x = x.float()
     x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return x.to(dtype) if weight is None else weight * x.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -72,6 +77,13 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeGLU(SwiGLU):
+    """Gemma's gated MLP: down(gelu_tanh(gate(x)) * up(x)) (hidden_activation gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

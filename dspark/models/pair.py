@@ -14,7 +14,7 @@ from dspark.models.checkpoint import check_draft_folder, load_draft
 from dspark.models.config import draft_config_for
 from dspark.models.drafter import DSparkDrafter, init_weights
 from dspark.models.tensors import TORCH, stored_low
-from dspark.models.target import LoadedTarget, TargetModel, load_target
+from dspark.models.target import LoadedTarget, TargetModel, load_target, text_body
 
 RANDOM = "random"
 
@@ -136,7 +136,7 @@ def mask_token(loaded: LoadedTarget, asked: int | None) -> int:
 def random_drafter(loaded: LoadedTarget, seed: int = 0, mask_token_id: int | None = None, **kw) -> DSparkDrafter:
     cfg = draft_config_for(loaded.config, mask_token_id=mask_token(loaded, mask_token_id), **kw)
     body = loaded.hf_model
-    drafter = DSparkDrafter(cfg, embed_tokens=body.model.embed_tokens, lm_head=body.lm_head)
+    drafter = DSparkDrafter(cfg, embed_tokens=text_body(body).embed_tokens, lm_head=body.lm_head)
     torch.manual_seed(seed)
     init_weights(drafter)
     return drafter.eval()
@@ -165,6 +165,6 @@ def load_pair(target: str, draft: str, seed: int = 0, lazy: bool = False) -> Pai
         drafter = random_drafter(loaded, seed)
     else:
         body = loaded.hf_model
-        drafter = load_draft(draft, loaded.config, body.model.embed_tokens, body.lm_head, lazy=loaded.lazy)
+        drafter = load_draft(draft, loaded.config, text_body(body).embed_tokens, body.lm_head, lazy=loaded.lazy)
     return Pair(loaded=loaded, target=loaded.wrapper(drafter.cfg.target_layer_ids), drafter=drafter,
                 draft_source=draft)

@@ -17,6 +17,7 @@ import torch
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise, stack
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.layer_kv import kv_groups
 from dspark.models.sampling import token_probs, verify
 from dspark.models.target import TargetModel
 
@@ -45,12 +46,18 @@ def _mask(lengths: list[int], capacity: int) -> torch.Tensor:
     return (torch.arange(capacity)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
 
 
-def _write(cache: torch.Tensor, new: torch.Tensor, at: list[int], count: list[int]) -> None:
-    cap = cache.shape[-2]
-    for b, (start, n) in enumerate(zip(at, count)):
-        if start + new.shape[-2] > cap:
-            raise DSparkError(f"context overflow: {start + new.shape[-2]} positions exceed the KV capacity {cap}")
-        cache[:, :, b, :, start:start + n] = new[:, :, b, :, :n]
+def _write(cache, new, at: list[int], count: list[int]) -> None:
+    """Write each request's new K/V rows into its cache rows (a uniform [L, 2, B, Hkv, cap, hd] or a LayerKV)."""
+    for cache_g, new_g in zip(kv_groups(cache), kv_groups(new)):
+        cap = cache_g.shape[-2]
+        for b, (start, n) in enumerate(zip(at, count)):
+            if start + new_g.shape[-2] > cap:
+                raise DSparkError(f"context overflow: {start + new_g.shape[-2]} positions exceed the KV capacity {cap}")
+            cache_g[:, :, b, :, start:start + n] = new_g[:, :, b, :, :n]
+
+
+def _capacity(cache) -> int:
+    return kv_groups(cache)[0].shape[-2]
 
 
 def _pad(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
@@ -64,7 +71,7 @@ def _prefill(target: TargetModel, prompts: list[list[int]], kv: torch.Tensor, te
     if min(lengths) == 0:
         raise DSparkError("empty prompt: give at least one token")
     b = len(prompts)
-    step = target(_pad(prompts), _mask([0] * b, kv.shape[-2]), kv)
+    step = target(_pad(prompts), _mask([0] * b, _capacity(kv)), kv)
     _write(kv, step.new_kv, [0] * b, lengths)
     last = step.hidden[torch.arange(b), torch.tensor(lengths) - 1][:, None]
     probs = token_probs(target.logits(last), temp)
@@ -96,7 +103,7 @@ def generate_ar(target: TargetModel, prompts: list[list[int]], max_tokens: int, 
                     live[i] = False
         if not any(live):
             break
-        step = target(nxt[:, None], _mask(cache_len, kv.shape[-2]), kv)
+        step = target(nxt[:, None], _mask(cache_len, _capacity(kv)), kv)
         _write(kv, step.new_kv, cache_len, [1] * b)
         cache_len = [n + 1 if live[i] else n for i, n in enumerate(cache_len)]
         probs = token_probs(target.logits(step.hidden), temp)
@@ -110,7 +117,7 @@ def _verify_block(target: TargetModel, kv: torch.Tensor, cache_len: list[int], a
     b, bk = block.tokens.shape
     t = 1 + int(verify_len.max())
     tokens = torch.cat([anchor[:, None], block.tokens[:, :t - 1]], dim=1)
-    step = target(tokens, _mask(cache_len, kv.shape[-2]), kv)
+    step = target(tokens, _mask(cache_len, _capacity(kv)), kv)
     _write(kv, step.new_kv, cache_len, [t] * b)
     probs = token_probs(target.logits(step.hidden), temp)
     draft_next = torch.cat([block.tokens[:, :t - 1], torch.zeros(b, 1, dtype=torch.int64)], dim=1)

@@ -19,7 +19,7 @@ from dspark.models.config import with_claim
 from dspark.models.draft_vocab import rank_tokens, shortlist, write_ranking
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.pair import Pair, random_drafter
-from dspark.models.target import LoadedTarget, TargetModel, load_target
+from dspark.models.target import LoadedTarget, TargetModel, load_target, text_body
 from dspark.prompts import dev_prompts_path, read_prompts
 from dspark.tokenizer import ChatTokenizer
 from dspark.train.data import (check_prompts, compute_taps, generate_responses, generate_responses_torch,
@@ -68,7 +68,7 @@ class TrainRun(TrainOptions):
         dropped: they belong to the old weights, so calibrate again after training; so is its claimed acceptance
         (training measures the new one)."""
         body = loaded.hf_model
-        drafter = load_draft(self.init_from, loaded.config, body.model.embed_tokens, body.lm_head)
+        drafter = load_draft(self.init_from, loaded.config, text_body(body).embed_tokens, body.lm_head)
         drafter.cfg = with_claim(dataclasses.replace(drafter.cfg, confidence_temperatures=()), (), "")
         drafter.sts_temperatures.fill_(1.0)
         self._say(f"starting from {self.init_from} ({drafter.cfg.num_layers} layers, block {drafter.cfg.block_size}, "
