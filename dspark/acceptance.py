@@ -99,7 +99,9 @@ def _finite(value):
     return None if isinstance(value, float) and value != value else value
 
 
-class _Rounds(RoundObserver):
+class DraftRounds(RoundObserver):
+    """Drafts verified and accepted (and confidence logits) per drafting request per round."""
+
     wants = frozenset({CONFIDENCE})
 
     def __init__(self):
@@ -128,15 +130,12 @@ def is_random(manifest: Manifest) -> bool:
 def measure(rt: Runtime, prompts: list[str] | None = None, max_tokens: int = TOKENS) -> Measured:
     """Greedy decode of `prompts` (default: the package's demo set) with every draft verified."""
     texts = prompts if prompts is not None else [r["prompt"] for r in read_prompts(DEMO_PROMPTS)]
-    log = _Rounds()
+    log = DraftRounds()
     results = list(rt.decoder(texts, DecodeOptions(max_tokens=max_tokens, policy="all"), observers=[log]))
     del results
     verified, accepted = np.array(log.verified, dtype=np.int64), np.array(log.accepted, dtype=np.int64)
     block = rt.manifest.block_size
-    accept_at = []
-    for k in range(1, block + 1):
-        reached = (verified >= k) & (accepted >= k - 1)
-        accept_at.append(float((accepted[reached] >= k).mean()) if reached.any() else float("nan"))
+    accept_at = conditional_acceptance(verified, accepted, block)
     out = Measured(prompts=len(texts), max_tokens=max_tokens, tokens=int(accepted.sum() + len(accepted)), rounds=len(verified),
                    tau=float(np.mean(accepted + 1)) if len(verified) else 0.0, accept_at=accept_at)
     if rt.manifest.draft.get("confidence_head") and log.conf_logits and len(log.conf_logits) == len(verified):
@@ -146,6 +145,16 @@ def measure(rt: Runtime, prompts: list[str] | None = None, max_tokens: int = TOK
         out.predicted_at = [float(survival[verified >= k, k - 1].mean()) if (verified >= k).any() else float("nan")
                             for k in range(1, block + 1)]
         out.auc_at_1 = _auc(survival[:, 0], accepted >= 1)
+    return out
+
+
+def conditional_acceptance(verified: np.ndarray, accepted: np.ndarray, block: int) -> list[float]:
+    """Per block position k: of the rounds that verified k drafts and accepted the k-1 before, the share that
+    accepted the k-th (nan where no round got there)."""
+    out = []
+    for k in range(1, block + 1):
+        reached = (verified >= k) & (accepted >= k - 1)
+        out.append(float((accepted[reached] >= k).mean()) if reached.any() else float("nan"))
     return out
 
 

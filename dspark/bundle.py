@@ -73,6 +73,20 @@ class Manifest:
     def sts_temperatures(self) -> list[float]:
         return list(self.calibration.get("sts_temperatures") or [1.0] * self.block_size)
 
+    def acceptance_prior(self) -> list[float] | None:
+        """For a drafter without a confidence head: its acceptance per block position (conditional on the
+        positions before), from `dspark calibrate` (calibration.acceptance_prior), else as its drafter claims
+        (draft.expected_acceptance; positions it does not claim: 0, never verified). None with a confidence head,
+        or without either: every draft then counts as surviving."""
+        if self.draft.get("confidence_head"):
+            return None
+        prior = self.calibration.get("acceptance_prior")
+        if prior is None:
+            prior = (self.draft.get("expected_acceptance") or {}).get("accept_at")
+        if prior is None:
+            return None
+        return [float(a) for a in prior][:self.block_size] + [0.0] * max(0, self.block_size - len(prior))
+
     def quantized_activations(self, graph: str) -> bool:
         """Whether the layers of `graph` (all but its vocabulary-sized head) run MatMulNBits that round their
         activations (accuracy_level 2-4: fp16, bf16, int8), which turns a kernel's last-bit differences between
@@ -193,6 +207,10 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
             calibration.fail("sts_temperatures", f"has {len(temps)} entries, block_size is {block}")
     if calibration.has("sps_table"):
         calibration.number_list("sps_table", positive=True)
+    if calibration.has("acceptance_prior"):
+        prior = calibration.number_list("acceptance_prior")
+        if len(prior) != block or any(not 0.0 <= a <= 1.0 for a in prior):
+            calibration.fail("acceptance_prior", f"must hold {block} acceptances in [0, 1], one per block position")
     for key in ("sources", "tools"):
         top.obj(key, default={})
     quantized = top.obj("quantized", default={})

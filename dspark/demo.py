@@ -163,6 +163,10 @@ def best_policy(manifest: Manifest) -> tuple[str, str]:
         return "schedule+gate", ("the drafter has a confidence head, so Algorithm 1 verifies the prefix that "
                                  "maximizes expected tokens/s from its calibrated survival and the verifier's "
                                  f"steps/s table; {gate}")
+    if manifest.acceptance_prior() is not None:
+        return "schedule+gate", ("the drafter has no confidence head, so Algorithm 1 decides on its acceptance per "
+                                 "block position (`dspark calibrate`, or what the drafter claims) and the verifier's "
+                                 f"steps/s table; {gate}")
     return "all+gate", f"the drafter has no confidence head, so every draft is verified; {gate}"
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from dspark.acceptance import DraftRounds, conditional_acceptance
 from dspark.bundle import Manifest
 from dspark.calibration.sts import Rounds, fit_sts, reliability, survival
 from dspark.errors import DSparkError
@@ -101,13 +102,50 @@ def plot_reliability(rounds: Rounds, before: np.ndarray, after: np.ndarray, path
     plt.close(fig)
 
 
+def calibrate_prior(bundle: Path, prompts: list[str], out_dir: Path, max_tokens: int = 256,
+                    temperature: float = 0.0, batch_size: int = 8,
+                    say: Callable[[str], None] = lambda line: None) -> dict:
+    """A drafter without a confidence head (DFlash): its acceptance per block position, measured with every draft
+    verified, stored as the manifest's calibration.acceptance_prior (the policies then decide on its running
+    product, dspark.runtime.scheduler) and in OUT/calibration.json. A position no round reached gets 0."""
+    check_out_dir(out_dir)
+    rt = Runtime(bundle)
+    log = DraftRounds()
+    decoder = rt.decoder(prompts, DecodeOptions(max_tokens=max_tokens, temperature=temperature, batch_size=batch_size,
+                                                policy="all"), observers=[log])
+    if decoder.skipped():
+        say(decoder.skipped())
+    for _ in decoder:
+        pass
+    rt.close()
+    if not log.verified:
+        raise DSparkError("decoding produced no drafted rounds to measure acceptance on")
+    measured = conditional_acceptance(np.array(log.verified), np.array(log.accepted), rt.manifest.block_size)
+    prior = [0.0 if a != a else round(a, 4) for a in measured]
+    ran = len(prompts) - len(decoder.refused)
+    report = {"bundle": str(bundle), "prompts": ran, "skipped_prompts": len(prompts) - ran,
+              "rounds": len(log.verified), "temperature": temperature, "acceptance_prior": prior}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "calibration.json", json.dumps(report, indent=2) + "\n")
+    manifest = Manifest.read(bundle)
+    manifest.calibration["acceptance_prior"] = prior
+    manifest.calibration["prior"] = {"rounds": report["rounds"], "prompts": ran, "decode_temperature": temperature}
+    manifest.write(bundle)
+    return report
+
+
 def calibrate(bundle: Path, prompts: list[str], out_dir: Path, draft_dir: Path | None = None,
               max_tokens: int = 256, temperature: float = 0.0, batch_size: int = 8,
               say: Callable[[str], None] = lambda line: None) -> dict:
     """Every input is checked first; then calibration.json and reliability.png, the manifest and the draft's
     config.json are each written atomically (a temporary renamed into place), and only after decoding. The report
-    counts the prompts that ran (`say` gets one line on those skipped as too long for the context)."""
+    counts the prompts that ran (`say` gets one line on those skipped as too long for the context). A bundle
+    without a confidence head gets its acceptance prior instead (calibrate_prior)."""
     manifest = Manifest.read(bundle)
+    if not manifest.draft.get("confidence_head"):
+        if draft_dir is not None:
+            raise DSparkError("--draft stores STS temperatures, and this bundle's drafter has no confidence head")
+        return calibrate_prior(bundle, prompts, out_dir, max_tokens, temperature, batch_size, say)
     draft_raw = check_draft_folder(draft_dir, manifest) if draft_dir is not None else None
     check_out_dir(out_dir)
     rounds, ran = collect_rounds(bundle, prompts, max_tokens, temperature, batch_size, say=say)

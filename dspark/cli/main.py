@@ -280,7 +280,8 @@ def train_cmd(**options):
 def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limit, max_tokens, temperature,
                   backend):
     """Sequential Temperature Scaling of BUNDLE's confidence head on held-out prompts (ECE, AUC, Brier per
-    position), or with --sps the throughput table the prefix scheduler needs."""
+    position); for a drafter without one (DFlash), its acceptance per block position, the policies' prior; or
+    with --sps the throughput table the prefix scheduler needs."""
     if sps_only:
         from dspark.calibration.sps import profile, write_sps
         from dspark.runtime import Runtime
@@ -303,6 +304,10 @@ def calibrate_cmd(bundle, prompts, sps_only, max_batch, draft_dir, out_dir, limi
     rows = read_prompts(prompts, limit=limit)
     report = calibrate(bundle, [r["prompt"] for r in rows], out_dir or bundle, draft_dir, max_tokens,
                        temperature, say=lambda m: click.echo(m, err=True))
+    if "acceptance_prior" in report:
+        click.echo(f"{report['rounds']} rounds from {report['prompts']} prompts; no confidence head: acceptance per "
+                   f"position " + " ".join(f"{a:.2f}" for a in report["acceptance_prior"]) + " (the policies' prior)")
+        return
     click.echo(f"{report['rounds']} rounds from {report['prompts']} prompts; STS temperatures "
                + " ".join(f"{t:.2f}" for t in report["sts_temperatures"]))
     click.echo("position  ECE before -> after   AUC    Brier")

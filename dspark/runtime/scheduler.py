@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark.bundle import MAX_BLOCK
 from dspark.errors import DSparkError
-from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, TOPK, budget_from
+from dspark.ops.confidence_truncate.reference import PADDED, SCHEDULE, STATIC, TOPK, budget_from, confidence_truncate
 
 KINDS = ("ar", "all", "fixed", "static", "schedule", "topk")
 
@@ -86,8 +86,13 @@ class RoundPlanner:
     every row that did not draft (free slots, "ar" requests)."""
 
     def __init__(self, policy: VerifyPolicy, batch: int, sps_table: list[float] | None,
-                 threshold_rule: str = "cumulative"):
+                 threshold_rule: str = "cumulative", prior: list[float] | None = None):
+        """`prior`: a drafter without a confidence head (DFlash) has no survival of its own; with the acceptance
+        per block position (conditional on the positions before, `acceptance_prior`), every round's survival is
+        its running product, the same for every request, and the policy decides on that."""
         self.policy = policy
+        self.prior = None if prior is None else np.cumprod(np.asarray(prior, dtype=np.float32)).astype(np.float32)
+        self.budget = np.zeros(1, dtype=np.int64)
         if policy.kind in ("schedule", "topk"):
             self.sps = policy.sps_table(sps_table)
         else:
@@ -109,14 +114,23 @@ class RoundPlanner:
                 budget = budget_from(survival, self.sps, was_active, self.policy.layout)
             else:
                 budget = int(active.sum()) * 64  # no history yet: admit everything
-        return {"threshold": self.threshold[:len(active)], "sps": self.sps,
-                "budget": np.array([budget], dtype=np.int64), "active": active, "mode": self.mode,
-                "layout": self.layout}
+        self.budget = np.array([budget], dtype=np.int64)
+        return {"threshold": self.threshold[:len(active)], "sps": self.sps, "budget": self.budget,
+                "active": active, "mode": self.mode, "layout": self.layout}
+
+    def survival(self, graph_survival: np.ndarray) -> np.ndarray:
+        """The round's survival [rows, Bk]: the heads graph's, or the position-wise prior's for every row."""
+        if self.prior is None:
+            return graph_survival
+        return np.broadcast_to(self.prior[:graph_survival.shape[1]], graph_survival.shape).copy()
 
     def after(self, survival: np.ndarray, active: np.ndarray, verify_len: np.ndarray) -> np.ndarray:
         """Drafts each row verifies, from the graph's verify_len (recording this round's survival for top-K)."""
         if self.policy.kind == "topk":
             self.history.append((survival.copy(), active.copy()))
+        if self.prior is not None:  # the graph decided on no survival at all: decide again on the prior's
+            verify_len, _ = confidence_truncate(survival, self.threshold[:len(active)], self.sps, self.budget, active,
+                                                int(self.mode[0]), int(self.layout[0]))
         if self.policy.kind == "fixed":
             verify_len = np.minimum(verify_len, self.policy.gamma)
         if self.first_rule:

@@ -77,7 +77,8 @@ class Slots:
         self.anchor = np.zeros(batch, dtype=np.int64)
         self.ar = np.zeros(batch, dtype=bool)  # "ar" requests: they never draft
         self.occupied = np.zeros(batch, dtype=bool)
-        self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule)
+        self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule,
+                                    manifest.acceptance_prior())
         self.gate = gate
         self.conf_temps = np.asarray(manifest.sts_temperatures, dtype=np.float32)
         self.stop_ids = set(manifest.stop_token_ids)
@@ -302,7 +303,7 @@ class Slots:
         record.draft_seconds, record.heads_seconds = t1 - t0, t2 - t1
         if CONFIDENCE in self._wants:
             record.conf_logits = heads["conf_logits"].numpy()
-        survival = heads["survival"].numpy()
+        survival = self.planner.survival(heads["survival"].numpy())
         if self.gate is not None:
             self.gate.observe(survival, drafting, t2 - t0)
         verify_len = self.planner.after(survival, drafting, heads["verify_len"].numpy())

@@ -1,5 +1,6 @@
 """Drafters without DSpark's heads (DFlash: no Markov head, no confidence head; or a Markov head alone) export
 into the same three graphs and decode exactly: the runtime equals the PyTorch reference, greedy and sampled."""
+import numpy as np
 import pytest
 
 from dspark.bundle import Manifest
@@ -40,3 +41,28 @@ def test_without_a_confidence_head_the_demo_policy_verifies_every_draft(headless
     manifest = Manifest.read(headless[3])
     assert manifest.draft["confidence_head"] is False
     assert best_policy(manifest)[0] == "all+gate"
+
+
+def test_calibrate_measures_the_prior_and_the_policies_use_it(headless, tmp_path):
+    """`dspark calibrate` on a drafter without a confidence head stores its acceptance per position; the demo's
+    policy becomes Algorithm 1 on it; decoding stays exact and verifies no further than the prior allows."""
+    import shutil
+
+    from dspark.calibration.calibrate import calibrate
+
+    bundle = tmp_path / "b"
+    shutil.copytree(headless[3], bundle)
+    report = calibrate(bundle, prompts(6), tmp_path / "out", max_tokens=16)
+    prior = report["acceptance_prior"]
+    manifest = Manifest.read(bundle)
+    assert manifest.calibration["acceptance_prior"] == prior and len(prior) == manifest.block_size
+    assert all(0.0 <= a <= 1.0 for a in prior) and manifest.acceptance_prior() == prior
+    assert best_policy(manifest)[0] == "schedule+gate"
+    survival = np.cumprod(prior)
+    threshold = float(survival[1]) if survival[1] > 0 else 0.0
+    with Runtime(bundle) as rt:
+        ar = rt.generate(prompts(6), DecodeOptions(max_tokens=20, policy="ar"))
+        got = rt.generate(prompts(6), DecodeOptions(max_tokens=20, policy=f"static:{threshold}", batch_size=3))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    allowed = int((survival >= threshold).sum())
+    assert max(p for r in got for p in r.proposed) <= allowed

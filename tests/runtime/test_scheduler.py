@@ -173,3 +173,31 @@ def test_batch_run_counts_padded_and_useful_positions(tiny_bundle_v6):
     assert fixed.useful_positions <= fixed.padded_positions <= 3 * 3 * fixed.rounds
     assert fixed.mean_verify_budget <= 2
     assert fixed.tokens == ar.tokens  # greedy: the same tokens whatever the policy
+
+
+@pytest.mark.parametrize("policy", ["static:0.3", "schedule", "topk", "fixed:2", "all"])
+def test_a_drafter_without_confidence_decides_on_its_acceptance_prior(policy):
+    """DFlash: every row's survival is the running product of the prior, and the policy decides on that as the
+    heads graph would on a confidence head's (the numpy reference of ConfidenceTruncate)."""
+    from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
+
+    prior = [0.8, 0.6, 0.5, 0.3]
+    expected_survival = np.cumprod(np.array(prior, np.float32))
+    sps = (100.0 / (1 + 0.1 * np.arange(32))).astype(np.float32)
+    planner = RoundPlanner(VerifyPolicy.parse(policy), 3, sps.tolist(), prior=prior)
+    active = np.array([True, False, True])
+    feeds = planner.feeds(active)
+    ones = np.ones((3, 4), np.float32)
+    survival = planner.survival(ones)
+    assert np.allclose(survival, expected_survival[None]) and np.all(ones == 1)
+    got = planner.after(survival, active, np.full(3, 4))  # the graph, which saw no survival, verified all
+    want, _ = ref.confidence_truncate(survival, feeds["threshold"], sps, feeds["budget"], active,
+                                      int(feeds["mode"][0]), int(feeds["layout"][0]))
+    if policy == "fixed:2":
+        want = np.minimum(want, 2)
+    assert got.tolist() == np.where(active, want, 0).tolist()
+    if policy == "static:0.3":
+        assert got.tolist() == [2, 0, 2]  # 0.8, 0.48 reach 0.3; 0.24 does not
+    without = RoundPlanner(VerifyPolicy.parse(policy), 3, sps.tolist())
+    without.feeds(active)
+    assert without.survival(ones) is ones  # a confidence head's survival is taken as the graph gives it
