@@ -74,22 +74,7 @@ class Decoder:
         return min(self.manifest.max_context, fixed or self.manifest.max_context)
 
     def _refuse_overflowing(self, prompts: list[list[int]]) -> dict[int, str]:
-        """Requests whose prompt + max_tokens cannot fit the context, with why; every other request is served
-        (the last positions of a request near the limit are plain verifier steps). All refused: DSparkError."""
-        limit, new = self.context_limit, self.options.max_tokens
-        refused = {}
-        for i, p in enumerate(prompts):
-            if max_new_tokens(limit, len(p)) < 1:
-                refused[i] = (f"prompt of request {i} ({len(p)} tokens) is too long for the bundle's max context "
-                              f"{limit}")
-            elif new > max_new_tokens(limit, len(p)):
-                refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
-                              f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
-                              f"or max_tokens")
-        if len(refused) == len(prompts):
-            raise DSparkError(refused[0] if len(prompts) == 1 else f"none of the {len(prompts)} prompts fits the "
-                              f"context with max_tokens {new}: {refused[0]}")
-        return refused
+        return overflowing(prompts, self.context_limit, self.options.max_tokens)
 
     def skipped(self) -> str | None:
         """One line on the prompts refused for the context (None when every prompt runs)."""
@@ -134,3 +119,22 @@ class Decoder:
     @property
     def draft_kv(self):
         return self.slots.draft_kv
+
+
+def overflowing(prompts: list[list[int]], limit: int, new: int) -> dict[int, str]:
+    """Requests whose prompt + `new` tokens cannot fit a context of `limit` positions, with why; every other
+    request is served (the last positions of a request near the limit are plain verifier steps). All refused:
+    DSparkError."""
+    refused = {}
+    for i, p in enumerate(prompts):
+        if max_new_tokens(limit, len(p)) < 1:
+            refused[i] = (f"prompt of request {i} ({len(p)} tokens) is too long for the bundle's max context "
+                          f"{limit}")
+        elif new > max_new_tokens(limit, len(p)):
+            refused[i] = (f"context overflow: request {i} needs {len(p)} prompt + {new} new tokens = "
+                          f"{len(p) + new} positions, the bundle's max context is {limit}; shorten the prompt "
+                          f"or max_tokens")
+    if len(refused) == len(prompts):
+        raise DSparkError(refused[0] if len(prompts) == 1 else f"none of the {len(prompts)} prompts fits the "
+                          f"context with max_tokens {new}: {refused[0]}")
+    return refused

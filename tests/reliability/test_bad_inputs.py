@@ -674,6 +674,11 @@ def _(b, t):
     return Cli(main_cli, ["bench", b, "--prompts", prompts_file(t, '{"prompt": "w1", "n": ' + "7" * 5000 + "}\n")])
 
 
+@case("bench with every prompt too long for the context (refused before the SPS profile)")
+def _(b, t):
+    return Cli(main_cli, ["bench", b, "-R", "8", "--prompts", prompts_file(t, '{"prompt": "' + "w1 " * 400 + '"}\n')])
+
+
 @case("bench --prompts a device that never ends")
 def _(b, t):
     return Cli(main_cli, ["bench", b, "--prompts", "/dev/zero", "--limit", "1"])
