@@ -73,8 +73,10 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab,
     """Export verifier.onnx, draft.onnx, heads.onnx, manifest.json and the tokenizer into OUTPUT."""
     from dspark.export.trace.onnx_export import check_draft_vocab, check_replaceable, export_bundle
     from dspark.export.trace.progress import Progress
+    from dspark.models.target import check_target
 
     check_replaceable(output, force)
+    check_target(target)  # one line for a bad target, before the progress display starts
     check_draft_vocab(draft, draft_vocab)  # before minutes of loading the target
     progress = Progress(5 if no_check else 6, quiet)
     with progress.step(f"loading target {target} and draft {draft}"):

@@ -140,18 +140,28 @@ def _lazy_buffers(hf: nn.Module, tensors, lazy: LazyWeights) -> dict[str, torch.
     return found
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:
-    """With lazy, the weights stay in the checkpoint (meta-device modules + LazyWeights) until someone reads them."""
+def check_target(name_or_path: str) -> Path:
+    """The checks that need no weights (the path, the file type, an HF folder's config), so a bad target is
+    refused before anything is loaded or displayed; the resolved path."""
     path = resolve_target(name_or_path)
-    gguf = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise DSparkError(f"target file {path} is not a .gguf; give an HF folder or a GGUF file")
+        return path
+    if not (path / "config.json").exists():
+        raise DSparkError(f"target folder {path} has no config.json (expected an HF model folder)")
+    TargetConfig.from_dict(read_json(path / "config.json", f"target config {path / 'config.json'}"))
+    return path
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedTarget:
+    """With lazy, the weights stay in the checkpoint (meta-device modules + LazyWeights) until someone reads them."""
+    path = check_target(name_or_path)
+    gguf = None
+    if path.is_file():
         folder, gguf = _convert_gguf(path), path
     else:
         folder = path
-        if not (folder / "config.json").exists():
-            raise DSparkError(f"target folder {folder} has no config.json (expected an HF model folder)")
     config = TargetConfig.from_dict(read_json(folder / "config.json", f"target config {folder / 'config.json'}"))
     if lazy:
         hf, weights, precision = _lazy_model(folder, dtype, gguf)

@@ -514,6 +514,19 @@ def _(b, t):
     return onnx(target, "random", t / "out")
 
 
+@case("onnx --target missing, with the progress display on (refused before it starts)")
+def _(b, t):
+    return Cli(export_cli, ["onnx", "--target", t / "none", "--draft", "random", "--output", t / "out"], t / "out")
+
+
+@case("onnx --target an unsupported model_type, with the progress display on")
+def _(b, t):
+    target = t / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 32}))
+    return Cli(export_cli, ["onnx", "--target", target, "--draft", "random", "--output", t / "out"], t / "out")
+
+
 @case("onnx --max-context 1")
 def _(b, t):
     return onnx(t / "none", "random", t / "out", "--max-context", "1")
