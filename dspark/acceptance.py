@@ -30,6 +30,7 @@ from dspark.errors import DSparkError
 from dspark.files import read_json
 from dspark.prompts import DEMO_PROMPTS, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.room import max_new_tokens
 from dspark.runtime.observers import CONFIDENCE, RoundObserver, RoundRecord
 from dspark.schema import Fields
 
@@ -39,6 +40,7 @@ CLAIM_RATIO = 0.5  # a position-1 acceptance below this fraction of the drafter'
 FLOOR = 0.15  # ... and without a claim, below this
 MIN_AUC = 0.6  # a confidence head this close to chance (0.5) at position 1 tells nothing
 MIN_ROUNDS = 50  # position-1 proposals needed for a verdict
+MIN_NEW = 16  # a prompt with room for fewer new tokens in the bundle's context is left out
 MIN_CLASS = 20  # accepted and rejected position-1 drafts each needed to judge the confidence head
 CAUSES = ("taps from the wrong layers (target_layer_ids off by one), an anchor or position off by one, a draft "
           "vocabulary map ignored, a head left untrained, or a drafter trained for another target")
@@ -130,14 +132,16 @@ def is_random(manifest: Manifest) -> bool:
 def measure(rt: Runtime, prompts: list[str] | None = None, max_tokens: int = TOKENS) -> Measured:
     """Greedy decode of `prompts` (default: the package's demo set) with every draft verified."""
     texts = prompts if prompts is not None else [r["prompt"] for r in read_prompts(DEMO_PROMPTS)]
+    ids, max_tokens = _fitting([rt.encode(t) for t in texts], rt.manifest.max_context, max_tokens)
     log = DraftRounds()
-    results = list(rt.decoder(texts, DecodeOptions(max_tokens=max_tokens, policy="all"), observers=[log]))
-    del results
+    if ids:  # a bundle whose context is too small for any of them gets no rounds: an inconclusive verdict
+        for _ in rt.decoder(ids, DecodeOptions(max_tokens=max_tokens, policy="all"), observers=[log]):
+            pass
     verified, accepted = np.array(log.verified, dtype=np.int64), np.array(log.accepted, dtype=np.int64)
     block = rt.manifest.block_size
     accept_at = conditional_acceptance(verified, accepted, block)
-    out = Measured(prompts=len(texts), max_tokens=max_tokens, tokens=int(accepted.sum() + len(accepted)), rounds=len(verified),
-                   tau=float(np.mean(accepted + 1)) if len(verified) else 0.0, accept_at=accept_at)
+    out = Measured(prompts=len(ids), max_tokens=max_tokens, tokens=int(accepted.sum() + len(accepted)),
+                   rounds=len(verified), tau=float(np.mean(accepted + 1)) if len(verified) else 0.0, accept_at=accept_at)
     if rt.manifest.draft.get("confidence_head") and log.conf_logits and len(log.conf_logits) == len(verified):
         temps = np.asarray(rt.manifest.calibration.get("sts_temperatures") or [1.0] * block, dtype=np.float64)
         z = np.stack(log.conf_logits)
@@ -146,6 +150,14 @@ def measure(rt: Runtime, prompts: list[str] | None = None, max_tokens: int = TOK
                             for k in range(1, block + 1)]
         out.auc_at_1 = _auc(survival[:, 0], accepted >= 1)
     return out
+
+
+def _fitting(prompts: list[list[int]], context: int, max_tokens: int) -> tuple[list[list[int]], int]:
+    """The prompts that leave room for at least MIN_NEW tokens in the bundle's context, and the new tokens all of
+    them have room for (at most `max_tokens`): a small-context bundle is measured on what fits."""
+    room = [max_new_tokens(context, len(p)) for p in prompts]
+    kept = [(p, r) for p, r in zip(prompts, room) if r >= MIN_NEW]
+    return [p for p, _ in kept], min([max_tokens] + [r for _, r in kept])
 
 
 def conditional_acceptance(verified: np.ndarray, accepted: np.ndarray, block: int) -> list[float]:

@@ -111,3 +111,10 @@ def test_the_server_watch_stays_quiet_near_the_checked_figure_or_without_one():
         near.observe([2], [1 if i % 3 == 0 else 0])  # 0.33
         unknown.observe([2], [0])
     assert lines == []
+
+
+def test_a_small_context_is_measured_on_what_fits():
+    kept, new = acceptance._fitting([[1] * 19, [1] * 60, [1] * 30], 64, 64)
+    assert [len(p) for p in kept] == [19, 30] and new == 34  # 60 leaves room for 4 (< MIN_NEW): left out
+    assert acceptance._fitting([[1] * 60], 64, 64) == ([], 64)
+    assert acceptance._fitting([[1] * 10], 2048, 64) == ([[1] * 10], 64)
