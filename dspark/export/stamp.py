@@ -39,8 +39,21 @@ class LayerStack:
     step: Callable | None = field(default=None, repr=False)  # the owner's own layer_step, while it is stamped
 
     def stampable(self) -> bool:
-        first = [p.shape for p in self.layers[0].parameters()]
-        return len(self.layers) > 1 and all([p.shape for p in layer.parameters()] == first for layer in self.layers)
+        first = [t.shape for _, t in layer_tensors(self.layers[0])]
+        return len(self.layers) > 1 and all([t.shape for _, t in layer_tensors(layer)] == first
+                                            for layer in self.layers)
+
+
+def layer_tensors(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A layer's own tensors, the stamped op's inputs after the step's: its parameters, then its saved buffers
+    (Gemma-4's layer_scalar: a constant of the traced layer would give every copy the first layer's)."""
+    saved = [(n, b) for n, b in layer.named_buffers() if n.rpartition(".")[2] not in _non_persistent(layer, n)]
+    return list(layer.named_parameters()) + saved
+
+
+def _non_persistent(layer: nn.Module, name: str) -> set[str]:
+    owner = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    return owner._non_persistent_buffers_set
 
 
 @contextmanager
@@ -61,7 +74,7 @@ def stamped(stack: LayerStack | None) -> Iterator[None]:
         x = tensors[0]
         kv = (x.shape[0], stack.kv_heads, tensors[stack.kv_len_input].shape[1], stack.head_dim)
         outs = torch.onnx.ops.symbolic_multi_out(
-            f"{DOMAIN}::{OP}", (*tensors, *layer.parameters()), {}, dtypes=(x.dtype,) * 3,
+            f"{DOMAIN}::{OP}", (*tensors, *(t for _, t in layer_tensors(layer))), {}, dtypes=(x.dtype,) * 3,
             shapes=(x.shape, kv, kv), version=1)
         return tuple(out.to(x.device) for out in outs)  # the op's outputs are made on the default device
 
@@ -100,7 +113,7 @@ def layer_function(stack: LayerStack) -> ir.Function:
                              verbose=False, report=False)
     graph = prog.model.graph
     weights = []
-    for name, param in stack.layers[0].named_parameters():
+    for name, param in layer_tensors(stack.layers[0]):
         value = graph.initializers.get(f"{TRACED_LAYER}.{name}")
         if value is None:  # unused by the step: still an input, so the calls line up
             value = ir.Value(name=f"{TRACED_LAYER}.{name}", shape=ir.Shape(list(param.shape)))

@@ -183,7 +183,8 @@ class DSparkDrafter(nn.Module):
         # Gemma: sqrt(d) in the weights' dtype, as HF's scaled embedding; applied to the weight's rows (a shared
         # target embedding module may scale by itself)
         w = self.embed_tokens.weight
-        return nn.functional.embedding(ids, w) * torch.tensor(self.cfg.embed_scale, dtype=w.dtype, device=w.device)
+        scale = torch.full((), self.cfg.embed_scale, dtype=w.dtype, device=w.device)  # (an op when traced, no
+        return nn.functional.embedding(ids, w) * scale  # lifted constant)
 
     def backbone(
         self,
