@@ -43,7 +43,7 @@ class GraphExample:
     names: tuple[str, ...]  # names of every flat input, cache tensors included
     outputs: tuple[str, ...]
     dims: dict[str, dict[int, str]]  # input name -> {axis: dynamic axis name}
-    stack: LayerStack | None = None  # identical layers traced once and stamped
+    stack: LayerStack | list[LayerStack] | None = None  # identical layers (of each kind) traced once and stamped
 
     @property
     def has_past(self) -> bool:
@@ -93,14 +93,30 @@ def verifier_example(pair: Pair) -> GraphExample:
             "draft_probs": {0: "batch", 1: "draft_rows"}}
     dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("past", t.num_layers)})
     graph = VerifierGraph(pair.target)
-    if not t.uniform:  # (layers of several kinds: traced whole for now)
-        return GraphExample(graph, args, names, verifier_outputs(t), dims)
+    if not t.uniform:
+        return GraphExample(graph, args, names, verifier_outputs(t), dims, kind_stacks(pair.target))
     # layer_step(x, cos, sin, k_past, v_past, past_mask, new_mask)
     stack = LayerStack(pair.target, pair.target.layers,
                        ({0: "batch", 1: "seq"}, {0: "batch", 2: "seq"}, {0: "batch", 2: "seq"},
                         {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}, {0: "batch", 4: "capacity"},
                         {3: "seq", 4: "seq"}), kv_len_input=0, kv_heads=t.num_kv_heads, head_dim=t.head_dim)
     return GraphExample(graph, args, names, VERIFIER_OUTPUTS, dims, stack)
+
+
+def kind_stacks(target) -> list[LayerStack]:
+    """One stack per kind of layer of a Gemma-4 target, each traced once: a sliding layer's past mask depends on the
+    query position ([B, 1, 1, T, cap]), a full layer's does not ([B, 1, 1, 1, cap])."""
+    t, stacks = target.cfg, []
+    for kind in dict.fromkeys(t.layer_types):
+        ids = [i for i, k in enumerate(t.layer_types) if k == kind]
+        sliding = t.is_sliding(ids[0])
+        past_mask = {0: "batch", 3: "seq", 4: "capacity"} if sliding else {0: "batch", 4: "capacity"}
+        stacks.append(LayerStack(target, torch.nn.ModuleList([target.layers[i] for i in ids]),
+                                 ({0: "batch", 1: "seq"}, {0: "batch", 2: "seq"}, {0: "batch", 2: "seq"},
+                                  {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}, past_mask,
+                                  {3: "seq", 4: "seq"}), kv_len_input=0, kv_heads=t.kv_heads_of(ids[0]),
+                                 head_dim=t.head_dim_of(ids[0]), op=f"Layer_{kind}"))
+    return stacks
 
 
 def draft_example(pair: Pair) -> GraphExample:
@@ -171,19 +187,20 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
             return export_graph(ex, path, own, lazy, precision, stamp)
     module = ex.module.eval()
     values = module_values(module, lazy)
-    stack = ex.stack if stamp and ex.stack is not None and ex.stack.stampable() else None
+    stacks = [s for s in (ex.stack if isinstance(ex.stack, list) else [ex.stack] if ex.stack else [])
+              if stamp and s.stampable()]
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings(), stamped(stack):
+    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings(), stamped(stacks):
         warnings.simplefilter("ignore")
         args = tuple(_on_meta(a) for a in ex.args)
         outs = module(*args)
         prog = torch.onnx.export(module, args, dynamo=True, input_names=list(ex.names),
                                  output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
                                  verbose=False, report=False)
-        layer = layer_function(stack) if stack is not None else None
+        layers = [layer_function(s) for s in stacks]
     model = prog.model
-    if layer is not None:
-        inline_layers(model, layer)
+    if layers:
+        inline_layers(model, layers)
     bind_weights(model, values)
     attach_functions(model)
     embeddings = frozenset(identity for name, (identity, _) in values.items() if name.endswith("embed_tokens.weight"))
