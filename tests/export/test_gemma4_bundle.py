@@ -19,6 +19,7 @@ from dspark.runtime.backend import Backend
 from dspark.runtime.engine_choice import slot_bytes
 from dspark.runtime.slots import Slots
 from dspark.runtime.scheduler import VerifyPolicy
+from dspark.trt.buildable import not_buildable
 from support.gemma4 import F, S, tiny_gemma4_pair
 from support.tiny import TinyLoaded, tiny_tokenizer_folder
 
@@ -114,6 +115,7 @@ def test_backends_with_one_cache_buffer_refuse_groups(gemma):
 
     with pytest.raises(DSparkError, match=r"one-buffer backend .* \(2 KV groups\); run it on onnxruntime"):
         OneBuffer().grouped_kv_cache(kv_groups(Manifest.read(gemma[2]).target), 1, 8)
+    assert "2 KV groups" in not_buildable(Manifest.read(gemma[2]))  # TensorRT says so before it builds
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -130,3 +132,20 @@ def test_manifest_with_wrong_kv_groups_is_refused(gemma, tmp_path, edit, says):
     with pytest.raises(DSparkError, match=says) as err:
         Manifest.read(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_lazy_bf16_export_checks(tmp_path):
+    """The way a real checkpoint converts: a bf16 folder loaded lazily (meta modules, layer_scalar read from the
+    checkpoint), the bundle stored at its precision, and `dspark-export check` (fp32 arithmetic on the rounded
+    weights, the embedding scaled in fp32 on both sides) passes."""
+    from dspark.export.trace.onnx_export import export_bundle
+    from dspark.models.pair import load_pair
+    from support.gemma4 import tiny_gemma4
+
+    tiny_gemma4(seed=2).to(torch.bfloat16).save_pretrained(tmp_path / "gemma")
+    tiny_tokenizer_folder(tmp_path / "gemma", 90)  # ids 90..95 unused: the random drafter's mask token
+    pair = load_pair(str(tmp_path / "gemma"), "random", lazy=True)
+    bundle = export_bundle(pair, tmp_path / "bundle", max_context=128, quiet=True, precision="auto")
+    assert Manifest.read(bundle).precision == "bf16"
+    report = check_bundle(bundle)
+    assert report.passed, format_report(report)
