@@ -11,6 +11,7 @@ import numpy as np
 from dspark.errors import DSparkError
 from dspark.files import read_json, write_text_atomic
 from dspark.integrity import check_file, data_records, sha256_file
+from dspark.kv_layout import kv_output_names, layer_geometry, validate_kv_groups
 from dspark.schema import Fields, contained, is_int
 
 MAX_BLOCK = 1024  # the largest draft block a manifest may declare (and a fixed policy may verify)
@@ -45,7 +46,7 @@ class GraphSpec:
 
 @dataclass
 class Manifest:
-    target: dict[str, Any]  # family, hidden_size, num_layers, num_kv_heads, head_dim, vocab_size
+    target: dict[str, Any]  # family, hidden_size, num_layers, num_kv_heads, head_dim, vocab_size (kv_groups: kv_layout)
     draft: dict[str, Any]  # num_layers, num_kv_heads, head_dim, block_size, target_layer_ids, mask_token_id, ...
     max_context: int
     stop_token_ids: list[int]
@@ -186,6 +187,7 @@ def validate_manifest(raw: dict, folder: Path, where: str) -> None:
     vocab = target.integer("vocab_size", 1)
     for key in ("hidden_size", "num_layers", "num_kv_heads", "head_dim"):
         target.integer(key, 1)
+    validate_kv_groups(target, target.raw["num_layers"])
     block = _validate_draft(top.obj("draft"), vocab, target.raw["num_layers"])
     top.integer("max_context", 2, 1 << 24)
     top.int_list("stop_token_ids", 0, vocab - 1)
@@ -274,9 +276,9 @@ def _size_checks(graphs: dict, where: str):
         if len(names) != 2 * layers or names != [f"{prefix}.{i}.{k}" for i in range(layers) for k in ("key", "value")]:
             raise DSparkError(f"{where}: {what}.num_layers is {layers}, but graphs.{graph} has {len(names)} {prefix}.* "
                               f"cache {side} (2 per layer): the manifest and its graphs disagree; re-export the bundle")
-        for name in names:
-            size(graph, side, name, 1, sizes["num_kv_heads"], f"{what}.num_kv_heads")
-            size(graph, side, name, 3, sizes["head_dim"], f"{what}.head_dim")
+        for name, (heads, dim) in zip(names, [g for g in layer_geometry(sizes) for _ in range(2)]):
+            size(graph, side, name, 1, heads, f"{what}.num_kv_heads{' (kv_groups)' if 'kv_groups' in sizes else ''}")
+            size(graph, side, name, 3, dim, f"{what}.head_dim{' (kv_groups)' if 'kv_groups' in sizes else ''}")
 
     return tensors, size, caches
 
@@ -298,6 +300,10 @@ def _validate_sizes(raw: dict, where: str) -> None:
     if "verifier_fused" in graphs:
         caches("verifier_fused", "outputs", "present", target, "target")
     caches("draft", "inputs", "draft_past", draft, "draft")
+    missing = [n for n in kv_output_names(target) if n not in tensors("verifier", "outputs")]
+    if missing:
+        raise DSparkError(f"{where}: graphs.verifier has no output {missing[0]!r} (one new_kv output per target "
+                          f"KV group): the manifest and its graphs disagree; re-export the bundle")
     size("draft", "outputs", "hidden", 1, block, "draft.block_size")
     size("draft", "outputs", "hidden", 2, hidden, "draft.hidden_size")
     taps = tensors("verifier", "outputs").get("taps")

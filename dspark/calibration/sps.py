@@ -13,6 +13,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.calibration import sps_cache
+from dspark.kv_layout import kv_groups
 from dspark.runtime.measure import needs_sps_table
 from dspark.runtime.scheduler import VerifyPolicy
 
@@ -60,7 +61,7 @@ def profile(rt, max_batch: int = 8, context: int = 256, reps: int = 9) -> dict:
     measured: dict[int, float] = {}
     raw = []
     for r in range(1, max_batch + 1):
-        cache = backend.kv_cache(t["num_layers"], r, t["num_kv_heads"], fixed or context + bk + 1, t["head_dim"])
+        cache = backend.grouped_kv_cache(kv_groups(t), r, fixed or context + bk + 1)
         for slot in range(r):
             cache.commit(slot, context)
         seconds = verifier_step_seconds(rt, cache, list(range(1, bk + 2)), reps, warmup=2)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kv_layout import KVGroup, group_layers, kv_output_names
+from dspark.models.config import TargetConfig
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.layer_kv import LayerKV
 from dspark.models.sampling import prefix_survival, token_probs, verify
 from dspark.models.target import TargetModel
 from dspark.ops.confidence_truncate.torch_op import confidence_truncate
@@ -29,6 +32,18 @@ HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verif
 def past_names(prefix: str, layers: int) -> tuple[str, ...]:
     """Per-layer cache inputs: the host binds each layer's slice of its cache buffer in place (no copy)."""
     return tuple(f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value"))
+
+
+def target_kv_groups(cfg: TargetConfig) -> list[KVGroup]:
+    """The KV groups of a target (one for a uniform target; the manifest records them when there are more)."""
+    return group_layers([(cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in range(cfg.num_layers)], cfg.layer_types)
+
+
+def verifier_outputs(cfg: TargetConfig) -> tuple[str, ...]:
+    """VERIFIER_OUTPUTS, with one new_kv.{g} per KV group in place of new_kv for a non-uniform target."""
+    if cfg.uniform:
+        return VERIFIER_OUTPUTS
+    return VERIFIER_OUTPUTS[:-1] + tuple(kv_output_names({"kv_groups": target_kv_groups(cfg)}))
 
 
 def _pairs(past: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,7 +65,10 @@ class VerifierGraph(nn.Module):
         nxt = torch.minimum(logit_index + 1, torch.full_like(logit_index, tokens.shape[1] - 1))  # Min: int-safe in TRT
         draft_next = torch.gather(tokens, 1, nxt)
         accepted, next_token = verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise)
-        return accepted, next_token, step.taps, step.new_kv
+        # a uniform target's new K/V are one [L, 2, B, Hkv, T, hd] tensor; a LayerKV's are one per KV group
+        # (new_kv.{g}, in dspark.kv_layout's order, which is LayerKV's)
+        new_kv = step.new_kv.groups if isinstance(step.new_kv, LayerKV) else [step.new_kv]
+        return (accepted, next_token, step.taps, *new_kv)
 
 
 class DraftGraph(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import onnx_ir as ir
 import torch
@@ -35,42 +35,64 @@ class LayerStack:
     kv_len_input: int  # the tensor input whose axis 1 counts the positions of the K/V a step returns
     kv_heads: int
     head_dim: int
+    op: str = OP  # the function's name: one per kind of layer (Gemma-4: sliding and full layers)
     example: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # the first eager call's tensors
     step: Callable | None = field(default=None, repr=False)  # the owner's own layer_step, while it is stamped
 
     def stampable(self) -> bool:
-        first = [p.shape for p in self.layers[0].parameters()]
-        return len(self.layers) > 1 and all([p.shape for p in layer.parameters()] == first for layer in self.layers)
+        first = [t.shape for _, t in layer_tensors(self.layers[0])]
+        return len(self.layers) > 1 and all([t.shape for _, t in layer_tensors(layer)] == first
+                                            for layer in self.layers)
+
+
+def layer_tensors(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A layer's own tensors, the stamped op's inputs after the step's: its parameters, then its saved buffers
+    (Gemma-4's layer_scalar: a constant of the traced layer would give every copy the first layer's)."""
+    saved = [(n, b) for n, b in layer.named_buffers() if n.rpartition(".")[2] not in _non_persistent(layer, n)]
+    return list(layer.named_parameters()) + saved
+
+
+def _non_persistent(layer: nn.Module, name: str) -> set[str]:
+    owner = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    return owner._non_persistent_buffers_set
 
 
 @contextmanager
-def stamped(stack: LayerStack | None) -> Iterator[None]:
-    """For a stack the caller found stampable (None: nothing to do). Within: an eager call runs the real step
-    (and records the first one's tensors, the example the layer is traced on); a call under torch.onnx.export is
-    one dspark.stamp::Layer node."""
-    if stack is None:
+def stamped(stacks: "LayerStack | Sequence[LayerStack] | None") -> Iterator[None]:
+    """For stacks the caller found stampable (None or none: nothing to do), all of one owner, each a kind of its
+    layers. Within: an eager call runs the real step (and records each stack's first call's tensors, the example
+    its layer is traced on); a call under torch.onnx.export is one dspark.stamp::<stack.op> node (a layer in no
+    stack is traced as it is)."""
+    stacks = [stacks] if isinstance(stacks, LayerStack) else list(stacks or ())
+    if not stacks:
         yield
         return
-    step = stack.step = stack.owner.layer_step
+    owner = stacks[0].owner
+    step = owner.layer_step
+    of = {id(layer): stack for stack in stacks for layer in stack.layers}
+    for stack in stacks:
+        stack.step = step
 
     def layer_step(layer: nn.Module, *tensors: torch.Tensor):
-        if not torch.onnx.is_in_onnx_export():
-            if stack.example is None:
+        stack = of.get(id(layer))
+        if stack is None or not torch.onnx.is_in_onnx_export():
+            if stack is not None and stack.example is None:
                 stack.example = tensors
             return step(layer, *tensors)
         x = tensors[0]
         kv = (x.shape[0], stack.kv_heads, tensors[stack.kv_len_input].shape[1], stack.head_dim)
         outs = torch.onnx.ops.symbolic_multi_out(
-            f"{DOMAIN}::{OP}", (*tensors, *layer.parameters()), {}, dtypes=(x.dtype,) * 3,
+            f"{DOMAIN}::{stack.op}", (*tensors, *(t for _, t in layer_tensors(layer))), {}, dtypes=(x.dtype,) * 3,
             shapes=(x.shape, kv, kv), version=1)
         return tuple(out.to(x.device) for out in outs)  # the op's outputs are made on the default device
 
-    stack.owner.layer_step = layer_step
+    owner.layer_step = layer_step
     try:
         yield
     finally:
-        del stack.owner.layer_step  # the class's own method again
-        stack.step = None
+        del owner.layer_step  # the class's own method again
+        for stack in stacks:
+            stack.step = None
 
 
 class _OneLayer(nn.Module):
@@ -100,7 +122,7 @@ def layer_function(stack: LayerStack) -> ir.Function:
                              verbose=False, report=False)
     graph = prog.model.graph
     weights = []
-    for name, param in stack.layers[0].named_parameters():
+    for name, param in layer_tensors(stack.layers[0]):
         value = graph.initializers.get(f"{TRACED_LAYER}.{name}")
         if value is None:  # unused by the step: still an input, so the calls line up
             value = ir.Value(name=f"{TRACED_LAYER}.{name}", shape=ir.Shape(list(param.shape)))
@@ -118,22 +140,25 @@ def layer_function(stack: LayerStack) -> ir.Function:
         ir.convenience.replace_all_uses_with(value, const.outputs[0])
         const.outputs[0].name = name
     graph.inputs.extend(weights)
-    graph.name = OP
-    return ir.Function(DOMAIN, OP, "", graph=graph, attributes=[])
+    graph.name = stack.op
+    return ir.Function(DOMAIN, stack.op, "", graph=graph, attributes=[])
 
 
-def inline_layers(model: ir.Model, function: ir.Function) -> int:
-    """Replace every dspark.stamp::Layer call in `model` by the function's body on that call's inputs. Each
-    inlined node carries its layer's module path (metadata LAYER: the call's, found from its last weight's name) for
-    dspark.export.trace.naming, which names the nodes and removes it."""
-    calls = [node for node in model.graph if node.domain == DOMAIN and node.op_type == OP]
-    weight = function.inputs[-1].name  # layer.<name in the layer>; the call's: <layer's path>.<name in the layer>
-    for call in calls:
-        path = call.inputs[-1].name.removesuffix(weight[len(TRACED_LAYER):])
-        call.metadata_props[LAYER] = path
-    for domain, version in function.opset_imports.items():
-        model.opset_imports.setdefault(domain, version)
-    model.functions[function.identifier()] = function
+def inline_layers(model: ir.Model, functions: "ir.Function | Sequence[ir.Function]") -> int:
+    """Replace every dspark.stamp::<name> call in `model` by the body of the function of that name on that call's
+    inputs. Each inlined node carries its layer's module path (metadata LAYER: the call's, found from its last
+    weight's name) for dspark.export.trace.naming, which names the nodes and removes it."""
+    functions = [functions] if isinstance(functions, ir.Function) else list(functions)
+    calls = []
+    for function in functions:
+        mine = [node for node in model.graph if node.domain == DOMAIN and node.op_type == function.name]
+        weight = function.inputs[-1].name  # layer.<name in the layer>; the call's: <layer's path>.<name in the layer>
+        for call in mine:
+            call.metadata_props[LAYER] = call.inputs[-1].name.removesuffix(weight[len(TRACED_LAYER):])
+        for domain, version in function.opset_imports.items():
+            model.opset_imports.setdefault(domain, version)
+        model.functions[function.identifier()] = function
+        calls += mine
     InlinePass(criteria=lambda f: f.domain == DOMAIN)(model)
     model.opset_imports.pop(DOMAIN, None)
     return len(calls)

@@ -180,10 +180,12 @@ class DSparkDrafter(nn.Module):
         ids = torch.cat([anchor[:, None], ids[:, 1:]], dim=1)
         if self.cfg.embed_scale == 1.0:
             return self.embed_tokens(ids)
-        # Gemma: sqrt(d) in the weights' dtype, as HF's scaled embedding; applied to the weight's rows (a shared
-        # target embedding module may scale by itself)
-        w = self.embed_tokens.weight
-        return nn.functional.embedding(ids, w) * torch.tensor(self.cfg.embed_scale, dtype=w.dtype, device=w.device)
+        # Gemma: sqrt(d) in the dtype the layers compute in (the weights', as HF's scaled embedding; fp32 in a
+        # bundle and in the reference of a realized fp16/bf16 pair, whose matrices are widened when used), applied
+        # to the weight's rows (a shared target embedding module may scale by itself)
+        w, dtype = self.embed_tokens.weight, self.norm.weight.dtype
+        scale = torch.full((), self.cfg.embed_scale, dtype=dtype, device=w.device)  # (an op when traced, no
+        return nn.functional.embedding(ids, w).to(dtype) * scale  # lifted constant)
 
     def backbone(
         self,

@@ -67,13 +67,20 @@ class Pair:
                             widened[(id(m), key)] = m
         for (_, key), m in widened.items():
             if isinstance(m, torch.nn.Embedding):  # widen the rows it gathers, not the whole vocabulary matrix
-                m.register_forward_hook(_widen_output)
+                m.register_forward_hook(_widen_scaled if hasattr(m, "scalar_embed_scale") else _widen_output)
             else:
                 parametrize.register_parametrization(m, key, _Widen(), unsafe=True)
 
 
 def _widen_output(module, args, out: torch.Tensor) -> torch.Tensor:
     return out.to(torch.float32)
+
+
+def _widen_scaled(module, args, out: torch.Tensor) -> torch.Tensor:
+    """A scaled embedding (Gemma) scales its rows in its weights' dtype; a bundle's graph scales the widened rows
+    in fp32 (fp32 arithmetic on rounded weights), and so does the reference."""
+    rows = torch.nn.functional.embedding(args[0], module.weight, module.padding_idx).to(torch.float32)
+    return rows * module.embed_scale.to(torch.float32)
 
 
 class _Widen(torch.nn.Module):

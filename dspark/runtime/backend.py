@@ -23,6 +23,7 @@ from dspark.errors import DSparkError
 
 if TYPE_CHECKING:
     from dspark.bundle import Manifest
+    from dspark.kv_layout import KVGroup
 
 ENTRY_POINT_GROUP = "dspark.backends"
 SAMPLING_INPUTS = ("temperature", "draft_noise")  # heads inputs only sampling reads (the greedy heads lack them)
@@ -89,7 +90,8 @@ class CacheLengths:
 
 
 class KVState(Protocol):
-    """A [L, 2, B, Hkv, capacity, hd] cache with CacheLengths' bookkeeping (HostKV, DeviceKV)."""
+    """A [L, 2, B, Hkv, capacity, hd] cache (or one per KV group) with CacheLengths' bookkeeping (HostKV,
+    DeviceKV)."""
 
     lengths: np.ndarray
     capacity: int
@@ -134,6 +136,16 @@ class Backend(ABC):
     @abstractmethod
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
                  prefix: str = "past") -> KVState: ...
+
+    def grouped_kv_cache(self, groups: "list[KVGroup]", batch: int, capacity: int, what: str = "KV",
+                         prefix: str = "past") -> KVState:
+        """A cache of layers grouped by KV geometry (dspark.kv_layout); one group is a kv_cache. A backend whose
+        caches are one buffer refuses several."""
+        if len(groups) == 1:
+            g = groups[0]
+            return self.kv_cache(len(g.layers), batch, g.num_kv_heads, capacity, g.head_dim, what, prefix)
+        raise DSparkError(f"the {self.kind} backend keeps a {what} cache in one buffer, and this bundle's layers "
+                          f"differ in KV geometry ({len(groups)} KV groups); run it on onnxruntime")
 
     @abstractmethod
     def context_rows(self, batch: int, features: int) -> RowsState: ...

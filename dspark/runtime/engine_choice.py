@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.kv_layout import bytes_per_position
 from dspark.runtime.scheduler import VerifyPolicy
 
 CPU_SLOTS = 16
@@ -32,10 +33,7 @@ class EngineChoice:
 
 def slot_bytes(manifest: Manifest, capacity: int, itemsize: int = 4) -> int:
     """The target's and the draft's K and V caches of one slot holding `capacity` positions."""
-    total = 0
-    for cfg in (manifest.target, manifest.draft):
-        total += 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * capacity * itemsize
-    return total
+    return sum(bytes_per_position(cfg, itemsize) for cfg in (manifest.target, manifest.draft)) * capacity
 
 
 def refuse_unfit(slots: int, per_slot: int, available: int | None, fewer: str) -> None:

@@ -2,8 +2,12 @@
 the draft has not consumed yet. The device twins are dspark.trt.state.DeviceKV and DeviceRows."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from dspark.errors import DSparkError
+from dspark.kv_layout import KVGroup
 from dspark.runtime.backend import CacheLengths
 
 
@@ -18,35 +22,56 @@ IN_CACHE = _InCache()
 
 
 class HostKV(CacheLengths):
-    """buffer [L, 2, B, Hkv, capacity, hd]; lengths[b] = valid prefix of request b.
+    """buffer [L, 2, B, Hkv, capacity, hd]; lengths[b] = valid prefix of request b. A target whose layers differ in
+    KV geometry (dspark.kv_layout: `groups`) has one such buffer per group in `buffers` (`buffer` is the one of a
+    uniform cache).
 
     Appending writes the new entries in place (O(new)); rollback is a length change (O(1)). Graphs take each
-    layer's keys and values as separate inputs, which are contiguous views of the one buffer, and a [B, capacity]
+    layer's keys and values as separate inputs, which are contiguous views of its group's buffer, and a [B, capacity]
     0/1 mask of the valid prefixes, so nothing is copied per step.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
-                 prefix: str = "past"):
+                 prefix: str = "past", groups: Sequence[KVGroup] | None = None):
+        groups = list(groups or [KVGroup(kv_heads, head_dim, tuple(range(layers)))])
+        layers = sum(len(g.layers) for g in groups)
         super().__init__(layers, batch, capacity, what, prefix)
-        self.buffer = np.zeros((layers, 2, batch, kv_heads, capacity, head_dim), dtype=np.float32)
-        self.feeds = {name: self.buffer[i, j] for name, i, j in self.names}
+        self.groups = groups
+        self.buffers = [np.zeros((len(g.layers), 2, batch, g.num_kv_heads, capacity, g.head_dim), dtype=np.float32)
+                        for g in groups]
+        self.place = {layer: (gi, j) for gi, g in enumerate(groups) for j, layer in enumerate(g.layers)}
+        self.feeds = {name: self.layer(i)[j] for name, i, j in self.names}
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The one buffer of a uniform cache."""
+        if len(self.buffers) != 1:
+            raise DSparkError(f"this {self.what} cache has {len(self.buffers)} KV groups, not one buffer")
+        return self.buffers[0]
+
+    def layer(self, i: int) -> np.ndarray:
+        """Layer i's [2, B, Hkv, capacity, hd] (a view)."""
+        g, j = self.place[i]
+        return self.buffers[g][j]
 
     def prefill_feeds(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Past K/V and mask for a prefill of n requests: nothing is valid yet, so a 1-position dummy cache."""
-        empty = np.zeros((n, self.buffer.shape[3], 1, self.buffer.shape[5]), dtype=np.float32)
-        return {name: empty for name, _, _ in self.names}, np.zeros((n, 1), dtype=np.int64)
+        empty = [np.zeros((n, g.num_kv_heads, 1, g.head_dim), dtype=np.float32) for g in self.groups]
+        return {name: empty[self.place[i][0]] for name, i, _ in self.names}, np.zeros((n, 1), dtype=np.int64)
 
     def past_mask(self) -> np.ndarray:
         return self._mask
 
-    def write(self, new: np.ndarray, row: int, count: int, slot: int | None = None) -> None:
-        """Store the first `count` entries of row `row` of new K/V [L, 2, B, Hkv, T, hd] after the valid prefix
-        of `slot` (default: the same index) without committing them."""
+    def write(self, new, row: int, count: int, slot: int | None = None) -> None:
+        """Store the first `count` entries of row `row` of new K/V [L, 2, B, Hkv, T, hd] (a sequence of them, one
+        per group, for a grouped cache) after the valid prefix of `slot` (default: the same index) without
+        committing them."""
         if new is IN_CACHE:
             return
         slot = row if slot is None else slot
         at = int(self.lengths[slot])
-        self.buffer[:, :, slot, :, at:at + count] = new[:, :, row, :, :count]
+        for buffer, part in zip(self.buffers, [new] if isinstance(new, np.ndarray) else new):
+            buffer[:, :, slot, :, at:at + count] = part[:, :, row, :, :count]
 
 
 class HostRows:
@@ -79,7 +104,7 @@ class LeadingKV:
 
     def __init__(self, whole: HostKV, n: int):
         self.whole = whole
-        self.feeds = {name: whole.buffer[i, j, :n] for name, i, j in whole.names}
+        self.feeds = {name: whole.feeds[name][:n] for name, _, _ in whole.names}
         self.lengths = whole.lengths[:n]
         self._mask = whole.past_mask()[:n]
 
@@ -107,7 +132,8 @@ class LeadingRows:
 def move_kv(kv: HostKV, src: int, dst: int) -> None:
     """Move slot src's valid cache prefix to slot dst (free); src is left empty."""
     length = int(kv.lengths[src])
-    kv.buffer[:, :, dst, :, :length] = kv.buffer[:, :, src, :, :length]
+    for buffer in kv.buffers:
+        buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]
     kv.commit(dst, 0)
     kv.commit(dst, length)
     kv.commit(src, 0)

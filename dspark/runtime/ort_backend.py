@@ -195,6 +195,9 @@ class OrtBackend(Backend):
                  prefix: str = "past") -> HostKV:
         return HostKV(layers, batch, kv_heads, capacity, head_dim, what, prefix)
 
+    def grouped_kv_cache(self, groups, batch: int, capacity: int, what: str = "KV", prefix: str = "past") -> HostKV:
+        return HostKV(0, batch, 0, capacity, 0, what, prefix, groups=groups)
+
     def context_rows(self, batch: int, features: int) -> HostRows:
         return HostRows(batch, features)
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from dspark.bundle import Manifest
 from dspark.errors import DSparkError
+from dspark.kv_layout import kv_groups, kv_output_names
 from dspark.noise import GREEDY_EPS, PlainStepNoise, RequestNoise, stack
 from dspark.runtime.backend import Backend
 from dspark.runtime.gate import DraftGate
@@ -67,7 +68,8 @@ class Slots:
         self.block_size = manifest.block_size
         t, d = manifest.target, manifest.draft
         # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
-        self.kv = backend.kv_cache(t["num_layers"], batch, t["num_kv_heads"], capacity, t["head_dim"], "target")
+        self.kv = backend.grouped_kv_cache(kv_groups(t), batch, capacity, "target")  # (one group: uniform)
+        self.kv_outputs = kv_output_names(t)  # the verifier's new K/V: new_kv, or new_kv.{g} per group
         self.draft_kv = backend.kv_cache(d["num_layers"], batch, d["num_kv_heads"], capacity, d["head_dim"],
                                          "draft", prefix="draft_past")
         self.ctx = backend.context_rows(batch, manifest.tap_features)
@@ -368,7 +370,9 @@ class Slots:
             "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
             **feeds_kv,
         })
-        return out["accepted"].numpy(), out["next_token"].numpy(), self._state(out["taps"]), self._state(out["new_kv"])
+        new_kv = [self._state(out[name]) for name in self.kv_outputs]
+        return (out["accepted"].numpy(), out["next_token"].numpy(), self._state(out["taps"]),
+                new_kv[0] if len(new_kv) == 1 else new_kv)
 
     def _state(self, x):
         """A graph output the caches take: kept where it is on a device backend, else as a host array."""

@@ -13,4 +13,8 @@ def not_buildable(manifest: Manifest) -> str | None:
     if manifest.quantized:
         return (f"{', '.join(manifest.quantized)} hold MatMulNBits weights (an ONNX Runtime CPU operator); "
                 f"TensorRT needs the graphs as exported: build from a bundle that was not quantized")
+    if manifest.target.get("kv_groups"):
+        return (f"its {manifest.target['family']} target's layers differ in KV geometry "
+                f"({len(manifest.target['kv_groups'])} KV groups) and the TensorRT backend keeps the target cache in "
+                f"one buffer; ONNX Runtime runs it")
     return None

@@ -58,3 +58,27 @@ def test_layers_of_different_shapes_are_traced_each():
     layers.append(torch.nn.Linear(4, 8))
     assert not stack.stampable()
     assert not LayerStack(torch.nn.Module(), layers[:1], (), 0, 1, 4).stampable()
+
+
+@pytest.mark.parametrize("graph,kinds", [("verifier", 2), ("draft", 1)])
+def test_gemma4_layers_are_stamped_per_kind(graph, kinds, tmp_path, monkeypatch):
+    """Sliding and full layers (other shapes, masks and RoPE; saved layer_scalar buffers) are traced once per kind."""
+    from support.gemma4 import F, S, tiny_gemma4_pair
+
+    hf, target, drafter = tiny_gemma4_pair(num_hidden_layers=6, layer_types=[S, S, F, S, S, F])
+    pair = Pair(loaded=TinyLoaded(hf, tiny_tokenizer_folder(tmp_path / "tok", 96)), target=target, drafter=drafter,
+                draft_source="random")
+    traced = []
+    layer_function = onnx_export.layer_function
+    monkeypatch.setattr(onnx_export, "layer_function", lambda stack: traced.append(stack) or layer_function(stack))
+    outputs = {}
+    for stamp in (True, False):
+        ex = getattr(onnx_export, f"{graph}_example")(pair)
+        path = tmp_path / f"{stamp}" / f"{graph}.onnx"
+        path.parent.mkdir()
+        onnx_export.export_graph(ex, path, stamp=stamp)
+        outputs[stamp] = _run(path, ex)
+        _signature(path)  # no stamp op, domain or function left
+    assert len(traced) == kinds
+    for a, b in zip(outputs[True], outputs[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

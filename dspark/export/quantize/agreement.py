@@ -22,6 +22,7 @@ import onnxruntime as ort
 from dspark.bundle import Manifest
 from dspark.export.quantize.nbits_graph import vocab_matmul_output
 from dspark.export.quantize.weight_stream import load_skeleton
+from dspark.kv_layout import layer_geometry
 from dspark.prompts import default_prompts_path, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.ort_backend import session_options, weights_mode
@@ -67,13 +68,13 @@ class LogitsGraph:
     def logits(self, ids: list[int]) -> np.ndarray:
         """[len(ids), vocab]: the logits after every position of `ids` (one prefill)."""
         t, m = len(ids), self.manifest.target
-        empty = np.zeros((1, m["num_kv_heads"], 1, m["head_dim"]), np.float32)
+        empty = [np.zeros((1, heads, 1, dim), np.float32) for heads, dim in layer_geometry(m)]  # (per KV group)
         feeds = {"tokens": np.array([ids], np.int64), "past_mask": np.zeros((1, 1), np.int64),
                  "logit_index": np.arange(t, dtype=np.int64)[None], "verify_len": np.zeros(1, np.int64),
                  "temperature": np.zeros(1, np.float32), "accept_noise": np.ones((1, t), np.float32),
                  "sample_noise": np.ones(1, np.float32),
                  "draft_probs": np.zeros((1, 1, m["vocab_size"]), np.float32)}
-        feeds.update({f"past.{i}.{kind}": empty for i in range(m["num_layers"]) for kind in ("key", "value")})
+        feeds.update({f"past.{i}.{kind}": empty[i] for i in range(m["num_layers"]) for kind in ("key", "value")})
         return self.session.run([self.output], feeds)[0][0]
 
 

@@ -18,7 +18,8 @@ from dspark.bundle import GraphSpec, Manifest, TensorSpec, is_bundle, sha256_fil
 from dspark.errors import DSparkError
 from dspark.export.check.parity import record_check_data
 from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
-                                  VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names)
+                                  VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names,
+                                  target_kv_groups, verifier_outputs)
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
 from dspark.export.trace.naming import name_nodes
 from dspark.export.trace.passes import optimize_graph
@@ -42,7 +43,7 @@ class GraphExample:
     names: tuple[str, ...]  # names of every flat input, cache tensors included
     outputs: tuple[str, ...]
     dims: dict[str, dict[int, str]]  # input name -> {axis: dynamic axis name}
-    stack: LayerStack | None = None  # identical layers traced once and stamped
+    stack: LayerStack | list[LayerStack] | None = None  # identical layers (of each kind) traced once and stamped
 
     @property
     def has_past(self) -> bool:
@@ -72,7 +73,8 @@ def verifier_example(pair: Pair) -> GraphExample:
     t = pair.target.cfg
     b, seq, cap, rows, drows = 2, 5, 9, 3, 2
     g = torch.Generator().manual_seed(0)
-    past = [torch.randn(b, t.num_kv_heads, cap, t.head_dim, generator=g) for _ in range(2 * t.num_layers)]
+    past = [torch.randn(b, t.kv_heads_of(i // 2), cap, t.head_dim_of(i // 2), generator=g)
+            for i in range(2 * t.num_layers)]
     args = (
         torch.randint(0, t.vocab_size, (b, seq), generator=g),
         torch.tensor([[1] * 4 + [0] * 5, [1] * 2 + [0] * 7]),
@@ -90,12 +92,31 @@ def verifier_example(pair: Pair) -> GraphExample:
             "accept_noise": {0: "batch", 1: "rows"}, "sample_noise": {0: "batch"},
             "draft_probs": {0: "batch", 1: "draft_rows"}}
     dims.update({n: {0: "batch", 2: "capacity"} for n in past_names("past", t.num_layers)})
+    graph = VerifierGraph(pair.target)
+    if not t.uniform:
+        return GraphExample(graph, args, names, verifier_outputs(t), dims, kind_stacks(pair.target))
     # layer_step(x, cos, sin, k_past, v_past, past_mask, new_mask)
     stack = LayerStack(pair.target, pair.target.layers,
                        ({0: "batch", 1: "seq"}, {0: "batch", 2: "seq"}, {0: "batch", 2: "seq"},
                         {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}, {0: "batch", 4: "capacity"},
                         {3: "seq", 4: "seq"}), kv_len_input=0, kv_heads=t.num_kv_heads, head_dim=t.head_dim)
-    return GraphExample(VerifierGraph(pair.target), args, names, VERIFIER_OUTPUTS, dims, stack)
+    return GraphExample(graph, args, names, VERIFIER_OUTPUTS, dims, stack)
+
+
+def kind_stacks(target) -> list[LayerStack]:
+    """One stack per kind of layer of a Gemma-4 target, each traced once: a sliding layer's past mask depends on the
+    query position ([B, 1, 1, T, cap]), a full layer's does not ([B, 1, 1, 1, cap])."""
+    t, stacks = target.cfg, []
+    for kind in dict.fromkeys(t.layer_types):
+        ids = [i for i, k in enumerate(t.layer_types) if k == kind]
+        sliding = t.is_sliding(ids[0])
+        past_mask = {0: "batch", 3: "seq", 4: "capacity"} if sliding else {0: "batch", 4: "capacity"}
+        stacks.append(LayerStack(target, torch.nn.ModuleList([target.layers[i] for i in ids]),
+                                 ({0: "batch", 1: "seq"}, {0: "batch", 2: "seq"}, {0: "batch", 2: "seq"},
+                                  {0: "batch", 2: "capacity"}, {0: "batch", 2: "capacity"}, past_mask,
+                                  {3: "seq", 4: "seq"}), kv_len_input=0, kv_heads=t.kv_heads_of(ids[0]),
+                                 head_dim=t.head_dim_of(ids[0]), op=f"Layer_{kind}"))
+    return stacks
 
 
 def draft_example(pair: Pair) -> GraphExample:
@@ -166,19 +187,20 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
             return export_graph(ex, path, own, lazy, precision, stamp)
     module = ex.module.eval()
     values = module_values(module, lazy)
-    stack = ex.stack if stamp and ex.stack is not None and ex.stack.stampable() else None
+    stacks = [s for s in (ex.stack if isinstance(ex.stack, list) else [ex.stack] if ex.stack else [])
+              if stamp and s.stampable()]
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings(), stamped(stack):
+    with traced_on_meta(module), torch.no_grad(), warnings.catch_warnings(), stamped(stacks):
         warnings.simplefilter("ignore")
         args = tuple(_on_meta(a) for a in ex.args)
         outs = module(*args)
         prog = torch.onnx.export(module, args, dynamo=True, input_names=list(ex.names),
                                  output_names=list(ex.outputs), dynamic_shapes=_dims(ex), optimize=False,
                                  verbose=False, report=False)
-        layer = layer_function(stack) if stack is not None else None
+        layers = [layer_function(s) for s in stacks]
     model = prog.model
-    if layer is not None:
-        inline_layers(model, layer)
+    if layers:
+        inline_layers(model, layers)
     bind_weights(model, values)
     attach_functions(model)
     embeddings = frozenset(identity for name, (identity, _) in values.items() if name.endswith("embed_tokens.weight"))
@@ -198,8 +220,8 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
 
 def _output_axes(ex: GraphExample) -> dict[str, dict[int, str]]:
     if isinstance(ex.module, VerifierGraph):
-        return {"accepted": {0: "batch"}, "next_token": {0: "batch"}, "taps": {0: "batch", 1: "seq"},
-                "new_kv": {2: "batch", 4: "seq"}}
+        kv = {name: {2: "batch", 4: "seq"} for name in ex.outputs if name.startswith("new_kv")}
+        return {"accepted": {0: "batch"}, "next_token": {0: "batch"}, "taps": {0: "batch", 1: "seq"}, **kv}
     if isinstance(ex.module, DraftGraph):
         return {"hidden": {0: "batch"}, "new_draft_kv": {2: "batch", 4: "ctx"}}
     return {n: {0: "batch"} for n in ex.outputs}
@@ -234,12 +256,22 @@ def pair_sources(pair: Pair) -> dict:
     return sources
 
 
+def target_section(t) -> dict:
+    """The manifest's target section; a target whose layers differ in KV geometry (Gemma-4) adds its KV groups
+    (dspark.kv_layout: num_kv_heads / head_dim are then the first layer's), the layer types and the window."""
+    out = {"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
+           "num_kv_heads": t.kv_heads_of(0), "head_dim": t.head_dim_of(0), "vocab_size": t.vocab_size}
+    if not t.uniform:
+        out.update(kv_groups=[g.to_dict() for g in target_kv_groups(t)], layer_types=list(t.layer_types),
+                   sliding_window=t.sliding_window, final_logit_softcapping=t.final_logit_softcapping)
+    return out
+
+
 def build_manifest(pair: Pair, specs: dict[str, GraphSpec], max_context: int, stop_ids: tuple[int, ...],
                    precision: str = "fp32", sources: dict | None = None) -> Manifest:
     t, c = pair.target.cfg, pair.drafter.cfg
     return Manifest(
-        target={"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
-                "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size},
+        target=target_section(t),
         draft={"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
                "hidden_size": c.hidden_size, "block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids),
                "mask_token_id": c.mask_token_id, "markov_rank": c.markov_rank,

@@ -9,6 +9,9 @@ LABELS = {"verifier_fused": "fused verifier", "heads_greedy": "greedy heads grap
 
 def unfusable(target: dict) -> str | None:
     """Why ONNX Runtime's CPU GroupQueryAttention cannot take this target, or None when it can."""
+    if target.get("kv_groups"):
+        return (f"ONNX Runtime's GroupQueryAttention cannot express this {target['family']} target's proportional "
+                f"RoPE and per-layer KV geometry; the portable verifier serves it")
     if target["head_dim"] % 16:
         return (f"ONNX Runtime's GroupQueryAttention on CPU needs a head_dim that is a multiple of 16 (this "
                 f"target's is {target['head_dim']}); the portable verifier serves it")
