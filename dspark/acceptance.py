@@ -30,6 +30,7 @@ from dspark.errors import DSparkError
 from dspark.files import read_json
 from dspark.prompts import DEMO_PROMPTS, read_prompts
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.decoder import context_limit
 from dspark.runtime.room import max_new_tokens
 from dspark.runtime.observers import CONFIDENCE, RoundObserver, RoundRecord
 from dspark.schema import Fields
@@ -132,7 +133,7 @@ def is_random(manifest: Manifest) -> bool:
 def measure(rt: Runtime, prompts: list[str] | None = None, max_tokens: int = TOKENS) -> Measured:
     """Greedy decode of `prompts` (default: the package's demo set) with every draft verified."""
     texts = prompts if prompts is not None else [r["prompt"] for r in read_prompts(DEMO_PROMPTS)]
-    ids, max_tokens = _fitting([rt.encode(t) for t in texts], rt.manifest.max_context, max_tokens)
+    ids, max_tokens = _fitting([rt.encode(t) for t in texts], context_limit(rt.backend, rt.manifest), max_tokens)
     log = DraftRounds()
     if ids:  # a bundle whose context is too small for any of them gets no rounds: an inconclusive verdict
         for _ in rt.decoder(ids, DecodeOptions(max_tokens=max_tokens, policy="all"), observers=[log]):

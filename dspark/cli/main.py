@@ -215,7 +215,7 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_tokens, temperatu
     from dspark.calibration.sps import ensure_sps_table
     from dspark.prompts import default_prompts_path
     from dspark.runtime import Runtime, VerifyPolicy
-    from dspark.runtime.decoder import overflowing
+    from dspark.runtime.decoder import context_limit, overflowing
     from dspark.runtime.measure import run_batch
 
     policy = VerifyPolicy.parse(policy)
@@ -223,7 +223,7 @@ def bench_cmd(bundle, concurrency, policy, prompts, limit, max_tokens, temperatu
     if not rows:
         raise DSparkError(f"{prompts} holds no prompts")
     rt = Runtime(bundle, backend=backend, cuda_graphs=cuda_graphs)
-    limit = min(rt.manifest.max_context, rt.backend.fixed_capacity or rt.manifest.max_context)
+    limit = context_limit(rt.backend, rt.manifest)
     overflowing([rt.encode(r["prompt"]) for r in rows], limit, max_tokens)  # before minutes of profiling
     ensure_sps_table(rt, policy, max_batch=min(concurrency, 8), say=lambda m: click.echo(m, err=True), store=False)
     res = run_batch(rt, [r["prompt"] for r in rows], concurrency, policy, max_tokens, temperature,

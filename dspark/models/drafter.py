@@ -13,7 +13,8 @@ from torch import nn
 from dspark.errors import DSparkError
 from dspark.models.config import DraftConfig
 from dspark.models.drafter_gemma4 import Gemma4DraftLayer
-from dspark.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_attention, rope_cos_sin, rope_inv_freq, split_heads
+from dspark.models.layers import (RMSNorm, SwiGLU, apply_rope, block_attention, rope_cos_sin, rope_inv_freq,
+                                  split_heads)
 from dspark.models.sampling import prefix_survival, sample, token_probs
 
 
@@ -59,17 +60,10 @@ class DraftLayer(nn.Module):
         each other, after the cached context segment `past` (K, V) when given; ctx_rope / blk_rope: RoPE (cos, sin)
         of the context / block positions; masks: one per segment, in order. Returns the new x and the context's
         (K, V) [B, Hkv, C, hd]."""
-        attn = self.self_attn
-        u = self.input_layernorm(x)
-        k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
-        k_blk, v_blk = attn.project_kv(u, *blk_rope)
-        q = attn.project_q(u, *blk_rope)
-        keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
-        if past is not None:
-            keys, values = [past[0], *keys], [past[1], *values]
-        x = x + attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
+        a, ctx_kv = block_attention(self.self_attn, self.input_layernorm(x), ctx, ctx_rope, blk_rope, masks, past)
+        x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, (k_ctx, v_ctx)
+        return x, ctx_kv
 
 
 class MarkovHead(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dspark.models.config import DraftConfig
-from dspark.models.layers import GeGLU, RMSNorm, apply_rope, grouped_attention, rms_norm
+from dspark.models.layers import GeGLU, RMSNorm, apply_rope, block_attention, rms_norm
 
 TensorPair = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,15 +62,7 @@ class Gemma4DraftLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_rope: TensorPair, blk_rope: TensorPair,
                 masks: list[torch.Tensor], past: TensorPair | None = None) -> tuple[torch.Tensor, TensorPair]:
         """As DraftLayer.forward (the block attends to the context, projected here, and to itself)."""
-        attn = self.self_attn
-        u = self.input_layernorm(x)
-        k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
-        k_blk, v_blk = attn.project_kv(u, *blk_rope)
-        q = attn.project_q(u, *blk_rope)
-        keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
-        if past is not None:
-            keys, values = [past[0], *keys], [past[1], *values]
-        a = attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling))
+        a, ctx_kv = block_attention(self.self_attn, self.input_layernorm(x), ctx, ctx_rope, blk_rope, masks, past)
         x = x + self.post_attention_layernorm(a)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x * self.layer_scalar.to(x.dtype), (k_ctx, v_ctx)
+        return x * self.layer_scalar.to(x.dtype), ctx_kv

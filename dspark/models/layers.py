@@ -125,3 +125,19 @@ def grouped_attention(
         out = part if out is None else out + part
         start += n
     return out.view(b, hkv, g, t, hd).reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
+
+
+def block_attention(attn: nn.Module, u: torch.Tensor, ctx: torch.Tensor, ctx_rope, blk_rope,
+                    masks: list[torch.Tensor], past=None):
+    """A draft layer's attention (every draft variant's): the normalized block slots u [B, T, d] attend to the
+    context ctx [B, C, d] (projected to K/V here) and to each other, after the cached context segment `past`
+    (K, V) when given; `attn` brings project_kv, project_q, o_proj and scaling. Returns the attention output
+    [B, T, d] and the context's (K, V) [B, Hkv, C, hd]."""
+    k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
+    k_blk, v_blk = attn.project_kv(u, *blk_rope)
+    q = attn.project_q(u, *blk_rope)
+    keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
+    if past is not None:
+        keys, values = [past[0], *keys], [past[1], *values]
+    return attn.o_proj(grouped_attention(q, keys, values, masks, attn.scaling)), (k_ctx, v_ctx)
+

@@ -70,8 +70,7 @@ class Decoder:
 
     @property
     def context_limit(self) -> int:
-        fixed = self.backend.fixed_capacity  # engines built for one cache size (TensorRT)
-        return min(self.manifest.max_context, fixed or self.manifest.max_context)
+        return context_limit(self.backend, self.manifest)
 
     def _refuse_overflowing(self, prompts: list[list[int]]) -> dict[int, str]:
         return overflowing(prompts, self.context_limit, self.options.max_tokens)
@@ -138,3 +137,11 @@ def overflowing(prompts: list[list[int]], limit: int, new: int) -> dict[int, str
         raise DSparkError(refused[0] if len(prompts) == 1 else f"none of the {len(prompts)} prompts fits the "
                           f"context with max_tokens {new}: {refused[0]}")
     return refused
+
+
+def context_limit(backend: Backend, manifest: Manifest) -> int:
+    """Positions a request may fill: the bundle's max context, or less on engines built for one cache size
+    (TensorRT)."""
+    fixed = backend.fixed_capacity
+    return min(manifest.max_context, fixed or manifest.max_context)
+
