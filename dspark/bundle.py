@@ -99,10 +99,12 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
-    def write(self, folder: Path) -> None:
+    def write(self, folder: Path, data_unchanged: bool = False) -> None:
         """Write folder/manifest.json atomically (a temporary file renamed into place, never written through),
-        with the size and sha256 of the data files the graphs read."""
-        self.data_files = data_records(Path(folder), self.data_names())
+        with the size and sha256 of the data files the graphs read (data_unchanged: those recorded by this
+        manifest's last write to folder, not hashed again)."""
+        if not data_unchanged:
+            self.data_files = data_records(Path(folder), self.data_names())
         write_text_atomic(Path(folder) / MANIFEST, self.to_json())
 
     def data_names(self) -> list[str]:

@@ -198,6 +198,21 @@ def test_a_reference_too_big_to_pack_is_scored_mapped_one_verifier_at_a_time(ggu
     assert mapped.positions == packed.positions == 24 and 0.5 <= mapped.top1 <= 1.0
 
 
+def test_quantize_scores_a_mapped_reference_on_the_finished_staged_bundle(gguf_bundle, tmp_path, monkeypatch):
+    """Quantizing a bundle too big to pack (a 12B bf16 one) decodes the staged quantized bundle for the agreement
+    text: it must be complete (graphs, twins, manifest) by then, and the record lands in the manifest."""
+    from dspark.export.quantize import agreement
+
+    b = tmp_path / "b"
+    shutil.copytree(gguf_bundle[0], b)
+    monkeypatch.setattr(agreement, "weights_mode", lambda folder, manifest: "mapped")
+    records = quantize_bundle(b, ["verifier"], QuantizeOptions(bits=4, min_elements=0, **AGREEMENT))
+    assert records["verifier"]["agreement"]["text_from"] == "quantized"
+    manifest = Manifest.read_checked(b)
+    manifest.check_files(b, full=True)
+    assert manifest.quantized["verifier"]["agreement"] == records["verifier"]["agreement"]
+
+
 def test_the_demo_quantizes_its_own_bundle_for_cpu_once(gguf_bundle, tmp_path):
     from dspark.demo import bundle_label, quantize_for_cpu
 

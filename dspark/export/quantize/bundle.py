@@ -258,13 +258,15 @@ def quantize_bundle(bundle: Path, graphs: list[str], opts: QuantizeOptions = Qua
             records[graph] = record
         if "verifier" in graphs:
             forget_step_costs(manifest)
-            if opts.agreement_prompts:
-                records["verifier"]["agreement"] = measure_agreement(
-                    bundle, staging, opts.agreement_prompts, opts.agreement_tokens, opts.prompt_file).as_dict()
         manifest.quantized.update(records)  # (the fused twin's lanes follow the verifier's activations)
         rebuild_twins(staging, manifest, graphs)  # the old ones multiply by the old weights
         _drop_unread_weights(staging, manifest)
-        manifest.write(staging)
+        manifest.write(staging)  # (complete: the agreement run may open the staged bundle as a Runtime)
+        if "verifier" in graphs and opts.agreement_prompts:
+            agreement = measure_agreement(bundle, staging, opts.agreement_prompts, opts.agreement_tokens,
+                                          opts.prompt_file).as_dict()
+            records["verifier"]["agreement"] = manifest.quantized["verifier"]["agreement"] = agreement
+            manifest.write(staging, data_unchanged=True)
     return records
 
 
