@@ -139,7 +139,12 @@ def load_draft(name_or_path: str | Path, target: TargetConfig | None = None,
         with params_on_meta():
             drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=head)
         params = dict(drafter.named_parameters(remove_duplicate=False))
-        lazy.add_checkpoint(tensors, {k: params[local] for k, local in own.items()})
+        buffers = dict(drafter.named_buffers())  # (Gemma-4's layer scalars: one number each, read now)
+        with torch.no_grad():
+            for k, local in own.items():
+                if local in buffers:
+                    buffers[local].copy_(read(k).reshape(buffers[local].shape))
+        lazy.add_checkpoint(tensors, {k: params[local] for k, local in own.items() if local not in buffers})
     else:
         drafter = DSparkDrafter(cfg, embed_tokens=embed_tokens, lm_head=head).to(dtype)
         drafter.load_state_dict({local: stored[k].to(dtype) for k, local in own.items()}, strict=False)

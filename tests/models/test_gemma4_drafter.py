@@ -121,6 +121,24 @@ def test_checkpoint_round_trip(tmp_path, k_eq_v):
 
 
 @torch.no_grad()
+def test_lazy_load_reads_the_layer_scalars_and_registers_every_weight(tmp_path):
+    """A lazily loaded Gemma-4 drafter (the export's path): its layer scalars, buffers of one number, are read at
+    load; every parameter stays on the meta device and reads back as saved."""
+    from dspark.models.tensors import LazyWeights
+
+    hf, target, drafter = tiny_gemma4_pair()
+    save_draft(drafter, tmp_path / "d", dtype=torch.float32)
+    lazy = LazyWeights()
+    loaded = load_draft(tmp_path / "d", target.cfg, hf.model.embed_tokens, hf.lm_head, lazy=lazy)
+    assert loaded.layers[0].layer_scalar.item() == drafter.layers[0].layer_scalar.item() != 1.0
+    saved = dict(drafter.named_parameters())
+    for name, param in loaded.named_parameters():
+        if name in saved and param.is_meta:
+            assert torch.equal(lazy.read(param), saved[name]), name
+    assert any(p.is_meta for p in loaded.parameters())
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("k_eq_v", [True, False])
 def test_generate_dspark_greedy_equals_generate_ar(k_eq_v):
     """Two requests of different lengths, decoded well past the sliding window (5)."""
