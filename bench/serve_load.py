@@ -78,6 +78,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, policy: str, max_t
     tokens = usage["completion_tokens"] if usage else 0
     ok = bool(usage) and bool(stamps)
     return {"ok": ok, "ttft": stamps[0] - start if stamps else None, "e2e": end - start, "tokens": tokens,
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "itl": (stamps[-1] - stamps[0]) / max(tokens - 1, 1) if ok else None, "text": "".join(text),
             "gaps": np.diff(stamps).tolist(),
             "start": start, "end": end}
@@ -119,7 +120,7 @@ def percentiles(values) -> dict:
     return {f"p{q}": round(float(np.percentile(values, q)), 5) for q in (50, 90, 99)}
 
 
-def summarize(results: list[dict], tau: float | None) -> dict:
+def summarize(results: list[dict], tau: float | None, goodput: dict[str, float] | None = None) -> dict:
     ok = [r for r in results if r["ok"]]
     wall = (max(r["end"] for r in ok) - min(r["start"] for r in ok)) if ok else 0.0
     tokens = sum(r["tokens"] for r in ok)
@@ -128,7 +129,54 @@ def summarize(results: list[dict], tau: float | None) -> dict:
             "requests_per_s": round(len(ok) / wall, 4) if wall else 0.0, "tau": tau,
             "ttft_s": percentiles(r["ttft"] for r in ok), "itl_s": percentiles(r["itl"] for r in ok),
             "e2e_s": percentiles(r["e2e"] for r in ok),
-            "chunk_gap_s": percentiles(g for r in ok for g in r["gaps"])}  # waits between streamed pieces
+            "chunk_gap_s": percentiles(g for r in ok for g in r["gaps"]),  # waits between streamed pieces
+            **vllm_fields(ok, len(results) - len(ok), wall, goodput or {})}
+
+
+def tpot(r: dict) -> float:
+    """Time per output token after the first (vLLM's TPOT), seconds."""
+    return (r["e2e"] - r["ttft"]) / (r["tokens"] - 1) if r["tokens"] > 1 else 0.0
+
+
+def vllm_fields(ok: list[dict], failed: int, wall: float, goodput: dict[str, float]) -> dict:
+    """What `vllm bench serve` reports, under its names: TTFT, TPOT (per request), ITL (every gap between
+    streamed pieces; a dspark round's tokens arrive in one) and end-to-end latency (E2EL), in ms: mean, median,
+    std, P90, P99; throughputs; and goodput, the requests/s that met every SLO in `goodput` ({"ttft"|"tpot"|
+    "e2el": ms}, `--goodput ttft:MS tpot:MS`)."""
+    series = {"ttft": [r["ttft"] * 1e3 for r in ok], "tpot": [tpot(r) * 1e3 for r in ok],
+              "itl": [g * 1e3 for r in ok for g in r["gaps"]], "e2el": [r["e2e"] * 1e3 for r in ok]}
+    out = {"completed": len(ok), "failed": failed, "duration": round(wall, 3),
+           "total_input_tokens": sum(r.get("prompt_tokens", 0) for r in ok),
+           "total_output_tokens": sum(r["tokens"] for r in ok)}
+    out.update({"request_throughput": round(len(ok) / wall, 4) if wall else 0.0,
+                "output_throughput": round(out["total_output_tokens"] / wall, 3) if wall else 0.0,
+                "total_token_throughput": round((out["total_input_tokens"] + out["total_output_tokens"]) / wall, 3)
+                if wall else 0.0})
+    for name, values in series.items():
+        v = np.array(values) if values else np.zeros(1)
+        out.update({f"mean_{name}_ms": round(float(v.mean()), 3), f"median_{name}_ms": round(float(np.median(v)), 3),
+                    f"std_{name}_ms": round(float(v.std()), 3), f"p90_{name}_ms": round(float(np.percentile(v, 90)), 3),
+                    f"p99_{name}_ms": round(float(np.percentile(v, 99)), 3)})
+    if goodput:
+        good = [r for r in ok if all(series_value(r, name) <= limit for name, limit in goodput.items())]
+        out["request_goodput"] = round(len(good) / wall, 4) if wall else 0.0
+        out["goodput_slo_ms"] = goodput
+    return out
+
+
+def series_value(r: dict, name: str) -> float:
+    return {"ttft": r["ttft"], "tpot": tpot(r), "e2el": r["e2e"]}[name] * 1e3
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """`ttft:500 tpot:100` -> {"ttft": 500.0, "tpot": 100.0} (vLLM's --goodput)."""
+    slo = {}
+    for item in items:
+        name, _, ms = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not ms.replace(".", "", 1).isdigit():
+            raise SystemExit(f"--goodput {item}: want ttft:MS, tpot:MS or e2el:MS")
+        slo[name] = float(ms)
+    return slo
 
 
 def phase(url: str, run) -> tuple[list[dict], float | None]:
@@ -206,7 +254,7 @@ def load_points(args, url: str, prompts: list[str]) -> list[dict]:
             else:
                 run = open_loop(url, prompts, policy, level, args.requests, args.max_tokens, seed=k)
             results, tau = phase(url, run)
-            points.append({"kind": kind, "level": level, "policy": policy, **summarize(results, tau),
+            points.append({"kind": kind, "level": level, "policy": policy, **summarize(results, tau, args.goodput),
                            "texts": [r.get("text") for r in results]})
             print(json.dumps({k2: v for k2, v in points[-1].items() if k2 != "texts"}), flush=True)
     return points
@@ -269,6 +317,8 @@ def parse_args():
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--policy", default="auto", help="The server's policy (default: auto, what dspark serve chooses).")
     ap.add_argument("--port", type=int, default=18650)
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", type=str,
+                    help="SLOs for goodput, as vllm bench serve takes them: ttft:MS tpot:MS e2el:MS.")
     ap.add_argument("--soak-tokens", type=int, default=0, help="Then generate this many tokens, sampling RSS.")
     ap.add_argument("--overhead-passes", type=int, default=3,
                     help="Passes over the prompts at concurrency 1, in-process and server taking turns.")
@@ -277,6 +327,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    args.goodput = parse_goodput(args.goodput)
     prompts = [r["prompt"] for r in dev_rows(None, per_domain=2)][:args.prompts]
     url = f"http://127.0.0.1:{args.port}"
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from common import ROOT, dev_rows, machine, pyplot, write_json
 
 import httpx  # noqa: E402
 
-from serve_load import phase, summarize  # noqa: E402
+from serve_load import parse_goodput, phase, summarize  # noqa: E402
 
 MODEL = "bench"
 
@@ -128,6 +128,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     tokens = usage["completion_tokens"] if usage else len(stamps)
     ok = bool(stamps)
     return {"ok": ok, "ttft": stamps[0] - start if ok else None, "e2e": end - start, "tokens": tokens,
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "itl": (stamps[-1] - stamps[0]) / max(tokens - 1, 1) if ok else None, "text": "".join(text),
             "gaps": np.diff(stamps).tolist(), "start": start, "end": end}
 
@@ -175,7 +176,7 @@ def run_levels(args, servers: list[Server], prompts: list[str]) -> list[dict]:
                 run = closed_loop(server.url, prompts, level, n, args.max_tokens)
                 results, tau = phase(server.url, run) if server.dspark else (asyncio.run(run), None)
                 server.rss.append(tree_rss_mb(server.process.pid))
-                point = {"server": server.name, "level": level, "pass": k, **summarize(results, tau),
+                point = {"server": server.name, "level": level, "pass": k, **summarize(results, tau, args.goodput),
                          "errors": sum(not r["ok"] for r in results), "rss_mb": round(server.rss[-1], 1),
                          "error_kinds": [r.get("status", "no text streamed") for r in results if not r["ok"]],
                          "texts": [(r["prompt"], r.get("text")) for r in results]}
@@ -231,11 +232,14 @@ def parse_args():
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 8, 16])
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--port", type=int, default=18700)
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", type=str,
+                    help="SLOs for goodput, as vllm bench serve takes them: ttft:MS tpot:MS e2el:MS.")
     return ap.parse_args()
 
 
 def main():
     args = parse_args()
+    args.goodput = parse_goodput(args.goodput)
     prompts = [r["prompt"] for r in dev_rows(None, per_domain=4)][:args.prompts]
     logs = Path(tempfile.mkdtemp(prefix="serve_peers_"))
     servers = [dspark_server("dspark defaults", "", args, args.port, logs)]

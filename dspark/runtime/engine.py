@@ -231,6 +231,8 @@ class Engine:
             request.token_ids += event.token_ids
             if result.committed and len(request.committed) < len(result.committed):
                 request.committed.append(result.committed[-1])
+                request.proposed.append(result.proposed[-1])
+                request.accepted.append(result.accepted[-1])
             piece, stopped = request.stop_text.add(event.token_ids)
             if stopped or event.done:
                 result.done = True  # a stop string frees the slot at the next boundary

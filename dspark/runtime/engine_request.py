@@ -90,6 +90,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.committed: list[int] = []  # tokens committed per round (tau)
+        self.proposed: list[int] = []  # drafts verified per round (0: a round without drafts)
+        self.accepted: list[int] = []  # of those, drafts accepted
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

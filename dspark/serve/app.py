@@ -140,7 +140,7 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
         raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
     except EngineClosed as e:
         raise ApiError(503, str(e), "server_error", code="shutting_down") from None
-    shape = Shape.new(chat, state.config.model_name, request)
+    shape = Shape.new(chat, state.config.model_name, request, state.metrics.block_size)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_events(request, deltas, shape, include_usage), media_type="text/event-stream",

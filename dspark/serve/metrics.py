@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from dspark.runtime.engine_request import EngineObserver, Request, RoundStats
 from dspark.serve.acceptance_watch import AcceptanceWatch
+from dspark.serve.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
@@ -19,6 +20,8 @@ class Metrics(EngineObserver):
         """`checked_position1`: what `dspark-export check` measured on the bundle (AcceptanceWatch warns once when
         the live figure stays far below it)."""
         self.registry = r = CollectorRegistry()
+        self.block_size = block_size
+        self.capacity = 0  # target KV positions of all slots (known from the first round)
         self.requests = Counter("dspark_requests", "Requests by outcome (stop, length, cancelled, error, "
                                 "rejected_queue_full, rejected_closed, invalid)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -48,6 +51,7 @@ class Metrics(EngineObserver):
                               registry=r)
         self.ready = Gauge("dspark_ready", "1 once the bundle is loaded and warmed up", registry=r)
         self.acceptance = AcceptanceWatch(r, model, checked_position1, warn)
+        self.vllm = VllmMetrics(r, model, LATENCY_BUCKETS, E2E_BUCKETS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,13 +60,16 @@ class Metrics(EngineObserver):
 
     def queue_depth(self, depth: int) -> None:
         self.queue.set(depth)
+        self.vllm.waiting.set(depth)
 
     def round(self, stats: RoundStats) -> None:
         self.busy.set(stats.busy_slots)
         self.queue.set(stats.queue_depth)
         self.kv_used.set(stats.kv_used)
         self.kv_capacity.set(stats.kv_capacity)
+        self.capacity = stats.kv_capacity
         self.rounds.labels("gate_skipped" if stats.gate_skipped else "drafted" if stats.drafted else "plain").inc()
+        self.vllm.round(stats)
         if stats.drafted:
             self.acceptance.observe(stats.verified, stats.accepted)
         for verified, accepted in zip(stats.verified, stats.accepted):
@@ -74,10 +81,12 @@ class Metrics(EngineObserver):
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.vllm.ttft.observe(seconds)
 
     def tokens(self, count: int, seconds_each: float) -> None:
         for _ in range(count):
             self.itl.observe(seconds_each)
+            self.vllm.itl.observe(seconds_each)
 
     def finished(self, request: Request) -> None:
         self.requests.labels(request.finish_reason).inc()
@@ -86,6 +95,7 @@ class Metrics(EngineObserver):
         self.e2e.observe(request.finished_at - request.submitted)
         if request.committed:
             self.tau.observe(request.tau)
+        self.vllm.finished(request)
 
     def refused(self, reason: str) -> None:
         self.requests.labels(f"rejected_{reason}").inc()
@@ -93,3 +103,5 @@ class Metrics(EngineObserver):
     def occupancy(self, busy_slots: int, kv_used: int) -> None:
         self.busy.set(busy_slots)
         self.kv_used.set(kv_used)
+        self.vllm.running.set(busy_slots)
+        self.vllm.kv_usage.set(kv_used / self.capacity if self.capacity else 0.0)

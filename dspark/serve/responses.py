@@ -31,6 +31,23 @@ def usage(request: Request) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
+def speculative_decoding(request: Request, block_size: int) -> dict:
+    """The request's speculative decoding as vLLM reports it per request (its response's
+    `metrics.speculative_decoding`): the rounds that verified drafts ("spec steps"), the drafts they verified and
+    accepted, and `acceptance_histogram[j]`: steps that accepted exactly j drafts. dspark verifies a varying number
+    of drafts per round (at most the block size, `num_spec_tokens`); rounds without drafts are not steps."""
+    steps = [(verified, accepted) for verified, accepted in zip(request.proposed, request.accepted) if verified]
+    drafts = sum(verified for verified, _ in steps)
+    accepted = sum(a for _, a in steps)
+    histogram = [0] * (block_size + 1)
+    for _, a in steps:
+        histogram[a] += 1
+    return {"mean_acceptance_length": 1 + accepted / len(steps) if steps else 1.0,
+            "draft_acceptance_rate": accepted / drafts if drafts else 0.0, "acceptance_histogram": histogram,
+            "num_spec_steps": len(steps), "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafts,
+            "num_spec_tokens": block_size}
+
+
 @dataclass
 class Shape:
     """How one endpoint words its bodies: text completions or chat completions."""
@@ -39,10 +56,16 @@ class Shape:
     model: str
     request_id: str
     created: int
+    block_size: int  # the bundle's: the most drafts a round verifies
 
     @classmethod
-    def new(cls, chat: bool, model: str, request: Request) -> "Shape":
-        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", int(time.time()))
+    def new(cls, chat: bool, model: str, request: Request, block_size: int) -> "Shape":
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", int(time.time()), block_size)
+
+    def _tail(self, request: Request) -> dict:
+        """What closes a response: usage, and the speculative statistics where vLLM puts them."""
+        return {"usage": usage(request),
+                "metrics": {"speculative_decoding": speculative_decoding(request, self.block_size)}}
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -54,7 +77,7 @@ class Shape:
             choice["message"] = {"role": "assistant", "content": request.text}
         else:
             choice["text"] = request.text
-        return {**self._head(False), "choices": [choice], "usage": usage(request)}
+        return {**self._head(False), "choices": [choice], **self._tail(request)}
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
         choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
@@ -65,7 +88,7 @@ class Shape:
         return sse({**self._head(True), "choices": [choice]})
 
     def usage_chunk(self, request: Request) -> str:
-        return sse({**self._head(True), "choices": [], "usage": usage(request)})
+        return sse({**self._head(True), "choices": [], **self._tail(request)})
 
 
 def sse(payload: dict) -> str:

@@ -106,6 +106,54 @@ def test_metrics_count_what_was_served(server, client):
     assert 0.0 <= server.metric('dspark_acceptance_position1{model="tiny"}') <= 1.0
 
 
+def per_position(server, width):
+    return [server.metric(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",'
+                          f'position="{p}"}}', missing=0.0) for p in range(width)]
+
+
+def test_vllm_names_and_the_per_request_speculative_statistics_agree(tiny_bundle_v6, server, client):
+    """vLLM's metric names count what dspark's do, and each response's `metrics.speculative_decoding` (where vLLM
+    puts it) adds up to what the counters moved by, streamed (in the usage chunk) or not."""
+    from dspark.bundle import Manifest
+
+    block = Manifest.read(tiny_bundle_v6[3]).block_size
+    counters = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                "generation_tokens", "prompt_tokens")
+    for stream in (False, True):
+        before = {c: server.metric(f"vllm:{c}_total", missing=0.0) for c in counters}
+        success = server.metric('vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}',
+                                missing=0.0)
+        positions = per_position(server, block)
+        if stream:
+            chunks = list(client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=24, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            last = chunks[-1].model_dump()
+        else:
+            last = client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=24,
+                                             temperature=0).model_dump()
+        spec = last["metrics"]["speculative_decoding"]
+        moved = {c: server.metric(f"vllm:{c}_total") - before[c] for c in counters}
+        assert spec["num_spec_tokens"] == block and len(spec["acceptance_histogram"]) == block + 1
+        assert moved["spec_decode_num_drafts"] == spec["num_spec_steps"] == sum(spec["acceptance_histogram"]) > 0
+        assert moved["spec_decode_num_draft_tokens"] == spec["num_draft_tokens"] >= spec["num_accepted_draft_tokens"]
+        accepted = sum(j * n for j, n in enumerate(spec["acceptance_histogram"]))
+        assert moved["spec_decode_num_accepted_tokens"] == spec["num_accepted_draft_tokens"] == accepted
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / spec["num_spec_steps"])
+        assert spec["draft_acceptance_rate"] == pytest.approx(accepted / spec["num_draft_tokens"])
+        at = [a - b for a, b in zip(per_position(server, block), positions)]
+        assert at == [sum(spec["acceptance_histogram"][p + 1:]) for p in range(block)]
+        assert moved["generation_tokens"] == last["usage"]["completion_tokens"] == 24
+        assert moved["prompt_tokens"] == last["usage"]["prompt_tokens"]
+        assert server.metric('vllm:request_success_total{engine="0",finished_reason="length",'
+                             'model_name="tiny"}') - success == 1
+    text = server.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket"):
+        assert name in text, name
+
+
 def test_a_request_without_temperature_decodes_greedily_and_the_folder_name_is_accepted(tiny_bundle_v6, client,
                                                                                         runtime):
     """The server's default temperature is `dspark run`'s and the Triton model's (0), so the same request gives the
