@@ -38,7 +38,22 @@ def _hf_names(arch: str, hf_model: torch.nn.Module) -> dict[str, str]:
         gguf_name = names.get_name(base)
         if gguf_name is not None:
             mapping[f"{gguf_name}.{suffix}"] = hf_name
+        elif (whole := names.get_name(hf_name)) is not None:  # a bare buffer (Gemma-4's layer_scalar), which
+            mapping[f"{whole}.weight"] = hf_name  # llama.cpp's converter stores with a .weight suffix
     return mapping
+
+
+def architecture(path: Path) -> str:
+    """general.architecture of a GGUF file (one line for a file the gguf package cannot read)."""
+    return _architecture(open_reader(path))
+
+
+def open_reader(path: Path):
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError and friends for bad files
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise DSparkError(f"cannot read GGUF {path}: {first}") from None
 
 
 class GgufTensors:
@@ -49,11 +64,7 @@ class GgufTensors:
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.folder = Path(path)  # (the identity LazyWeights records)
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the gguf package raises ValueError and friends for bad files
-            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise DSparkError(f"cannot read GGUF {path}: {first}") from None
+        self.reader = open_reader(path)
         arch = _architecture(self.reader)
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_model.config.to_dict())
         self.mapping = _hf_names(arch, hf_model)

@@ -118,8 +118,10 @@ def choose_mask_token(loaded: LoadedTarget) -> int:
     for name in ("chat_template.jinja",):
         if (loaded.folder / name).exists():
             template = (loaded.folder / name).read_text()
-    reserved = {loaded.hf_model.config.bos_token_id, loaded.hf_model.config.eos_token_id,
-                loaded.hf_model.config.pad_token_id}
+    config = loaded.hf_model.config
+    reserved = {config.bos_token_id, config.pad_token_id}
+    eos = config.eos_token_id
+    reserved |= set(eos) if isinstance(eos, (list, tuple)) else {eos}  # (Gemma's configs list several)
     specials = [t for t in added if t.get("special") and t["id"] not in reserved
                 and t["content"] not in template]
     if not specials:

@@ -8,13 +8,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma4TextConfig, GemmaTokenizer, \
+    GenerationConfig
 
 from dspark.bundle import sha256_file
 from dspark.errors import DSparkError
 from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
-from dspark.models.gguf_tensors import GgufTensors
+from dspark.models.gguf_gemma4 import ARCH as GEMMA4_ARCH
+from dspark.models.gguf_gemma4 import gemma4_config
+from dspark.models.gguf_tensors import GgufTensors, open_reader
+from dspark.models.gguf_tensors import architecture as gguf_architecture
 from dspark.models.tensors import CheckpointTensors, LazyWeights
 from dspark.models.target_gemma4 import Gemma4Target
 from dspark.models.target_model import TargetModel, TargetStep, kv_cache_shape, text_body  # noqa: F401 (re-exported)
@@ -77,9 +81,16 @@ def _convert_gguf(gguf: Path) -> Path:
     folder = _gguf_cache_folder(gguf)
     if (folder / "config.json").exists():  # (written last, by atomic_folder)
         return folder
+    gemma4 = gguf_architecture(gguf) == GEMMA4_ARCH
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if gemma4:  # (transformers' GGUF config reader cannot build a Gemma-4: see dspark.models.gguf_gemma4)
+            config = Gemma4TextConfig(**gemma4_config(open_reader(gguf), gguf.name))
+            tok = GemmaTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except DSparkError:
+        raise
     except Exception as e:  # transformers raises many types for foreign files
         raise DSparkError(f"cannot read GGUF {gguf}: {str(e).splitlines()[0]}") from None
     config.quantization_config = None
@@ -140,6 +151,21 @@ def _lazy_buffers(hf: nn.Module, tensors, lazy: LazyWeights) -> dict[str, torch.
     return found
 
 
+def _eager_from_gguf(folder: Path, gguf: Path, dtype: torch.dtype) -> nn.Module:
+    """The model built from the cache folder's config, every tensor read from the file (dspark's own reader)."""
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype,
+                                          attn_implementation="eager")
+    tensors = GgufTensors(gguf, hf)
+    params = dict(hf.named_parameters())  # (a tied LM head is listed once, under the embedding's name)
+    with torch.no_grad():
+        for name, value in hf.state_dict().items():
+            if name in tensors:
+                value.copy_(tensors.read(name).reshape(value.shape))
+            elif name in params:
+                raise DSparkError(f"target GGUF {gguf} has no tensor for {name}")
+    return hf
+
+
 def check_target(name_or_path: str) -> Path:
     """The checks that need no weights (the path, the file type, an HF folder's config), so a bad target is
     refused before anything is loaded or displayed; the resolved path."""
@@ -168,7 +194,9 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: boo
         return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path,
                             lazy=weights, precision=precision)
     try:
-        if gguf is not None and not (folder / "model.safetensors").exists():  # transformers' GGUF loader, in memory
+        if gguf is not None and gguf_architecture(gguf) == GEMMA4_ARCH:  # (one the transformers loader lacks)
+            hf = _eager_from_gguf(folder, gguf, dtype)
+        elif gguf is not None and not (folder / "model.safetensors").exists():  # transformers' loader, in memory
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
                                                       attn_implementation="eager")
             hf.hf_quantizer, hf.config.quantization_config = None, None

@@ -116,3 +116,110 @@ def tiny_gemma4_pair(seed: int = 0, block_size: int = 4, draft_layers: int = 2, 
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
     return hf, target, drafter.eval()
+
+
+def gemma_tokenizer_folder(folder, vocab_size: int):
+    """A small SentencePiece-style BPE tokenizer (byte fallback, `▁` for spaces, Gemma's special-token ids: <pad> 0,
+    <eos> 1, <bos> 2, <unk> 3, <mask> 4), padded with unused tokens to `vocab_size`: the shape of tokenizer
+    llama.cpp's Gemma-4 converter reads (gguf's LlamaHfVocab), which dspark's tiny word-level one is not."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
+    for c in ["\u2581"] + [chr(c) for c in range(33, 127)]:
+        vocab.setdefault(c, len(vocab))
+    merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("i", "n"), ("\u2581", "a")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(vocab)} tokens")
+    while len(vocab) < vocab_size:
+        vocab[f"<unused{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True}))
+    return folder
+
+
+def write_gemma4_gguf(model: Gemma4ForCausalLM, tokenizer_folder, path, matrices: str = "F32", **drop) -> None:
+    """The GGUF llama.cpp's converter (conversion/gemma.py, Gemma4Model) writes for `model`: its metadata keys,
+    tensor names (gguf's name map), unshifted norms, `layer_output_scale` for the layer scalar, the full layers'
+    proportional RoPE as a `rope_freqs` tensor, no attn_v on k_eq_v full layers; the tokenizer as gguf's
+    LlamaHfVocab reads it. Weight matrices are stored as `matrices` (F32, F16, BF16 or Q8_0), the rest in F32.
+    `drop` names metadata keys (without the "gemma4." prefix) to leave out, for the bad-file tests."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    from dspark.models.config import TargetConfig
+
+    raw = model.config.to_dict()
+    cfg = TargetConfig.from_dict(raw)
+    kind = [t == S for t in cfg.layer_types]
+    full_dim = next(d for d, t in zip(cfg.layer_head_dims, cfg.layer_types) if t == F)
+    sliding_dim = next(d for d, t in zip(cfg.layer_head_dims, cfg.layer_types) if t == S)
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    keys = {
+        "block_count": (w.add_block_count, cfg.num_layers),
+        "context_length": (w.add_context_length, raw["max_position_embeddings"]),
+        "embedding_length": (w.add_embedding_length, cfg.hidden_size),
+        "feed_forward_length": (w.add_feed_forward_length, cfg.intermediate_size),
+        "attention.head_count": (w.add_head_count, cfg.num_heads),
+        "attention.head_count_kv": (w.add_head_count_kv, list(cfg.layer_kv_heads)),
+        "rope.freq_base": (w.add_rope_freq_base, cfg.rope_full["rope_theta"]),
+        "rope.freq_base_swa": (w.add_rope_freq_base_swa, cfg.rope["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+        "attention.key_length": (w.add_key_length, full_dim),
+        "attention.value_length": (w.add_value_length, full_dim),
+        "final_logit_softcapping": (w.add_final_logit_softcapping, cfg.final_logit_softcapping),
+        "attention.sliding_window": (w.add_sliding_window, cfg.sliding_window),
+        "attention.shared_kv_layers": (w.add_shared_kv_layers, 0),
+        "embedding_length_per_layer_input": (w.add_embedding_length_per_layer_input, 0),
+        "attention.sliding_window_pattern": (w.add_sliding_window_pattern, kind),
+        "attention.key_length_swa": (w.add_key_length_swa, sliding_dim),
+        "attention.value_length_swa": (w.add_value_length_swa, sliding_dim),
+        "rope.dimension_count": (w.add_rope_dimension_count, full_dim),
+        "rope.dimension_count_swa": (w.add_rope_dimension_count_swa, sliding_dim),
+    }
+    for key, (add, value) in keys.items():
+        if key not in drop:
+            add(value)
+    vocab = gguf.LlamaHfVocab(tokenizer_folder)
+    tokens, scores, types = zip(*vocab.all_tokens())
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(list(tokens))
+    w.add_token_scores(list(scores))
+    w.add_token_types(list(types))
+    gguf.SpecialVocab(tokenizer_folder, load_merges=True).add_to_gguf(w)
+    w.add_add_space_prefix(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg.num_layers)
+    rotated = int(full_dim * cfg.rope_full.get("partial_rotary_factor", 1.0) / 2)
+    w.add_tensor("rope_freqs.weight",
+                 np.array([1.0] * rotated + [1e30] * (full_dim // 2 - rotated), dtype=np.float32))
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = name.rpartition(".")
+        target = f"{names.get_name(base)}.{suffix}" if names.get_name(base) else f"{names.get_name(name)}.weight"
+        data = t.detach().float().numpy()
+        if data.ndim == 2 and matrices != "F32":
+            qtype = gguf.GGMLQuantizationType[matrices]
+            blocks = quantize(data, qtype)
+            w.add_tensor(target, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(target, data.reshape(-1) if data.ndim == 0 else data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
