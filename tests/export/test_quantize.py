@@ -140,3 +140,30 @@ def test_the_shared_weights_file_keeps_only_what_graphs_read(tiny_bundle_v6, tmp
     manifest.write(linked)
     assert Runtime(linked).generate([PROMPT], DecodeOptions(max_tokens=8))[0].token_ids == want
     assert {f.name: sha256_file(f) for f in q.iterdir() if f.is_file()} == before
+
+
+def test_quantized_graphs_still_share_the_vocabulary_matrix(tmp_path):
+    """The vocabulary matrix every graph reads is stored once: quantizing the verifier and the draft backbone
+    leaves their embeddings reading it from weights.data (no copy in their new data files), and decoding equals
+    the quantized bundle's own AR."""
+    from dspark.bundle import WEIGHTS
+    from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
+    from support.tiny import tiny_bundle
+
+    vocab = 1024  # (a vocabulary matrix big enough to be stored as external data)
+    q = tiny_bundle(tmp_path / "q", family="llama", vocab=vocab, layers=2, block_size=3, seed=3)[3]
+    quantize_bundle(q, ["verifier", "draft"], QuantizeOptions(bits=4, block_size=16, min_elements=0,
+                                                              agreement_prompts=0))
+    manifest = Manifest.read_checked(q)
+    vocab_sized = {}
+    for graph in ("verifier", "draft", "heads"):
+        model = onnx.load(str(q / manifest.graphs[graph].file), load_external_data=False)
+        for t in model.graph.initializer:
+            where = {e.key: e.value for e in t.external_data}
+            if vocab in t.dims and t.data_location == onnx.TensorProto.EXTERNAL and len(t.dims) == 2:
+                vocab_sized.setdefault(graph, []).append((where["location"], where.get("offset")))
+    assert vocab_sized["draft"] and {loc for loc, _ in vocab_sized["draft"]} == {WEIGHTS}
+    assert (WEIGHTS, vocab_sized["draft"][0][1]) in vocab_sized["verifier"]  # the same bytes
+    rt = Runtime(q)
+    ar = rt.generate([PROMPT], DecodeOptions(max_tokens=12, policy="ar"))[0].token_ids
+    assert rt.generate([PROMPT], DecodeOptions(max_tokens=12))[0].token_ids == ar

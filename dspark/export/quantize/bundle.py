@@ -193,8 +193,8 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
             record["onnxruntime_quantizer"] = _ort_quantize(writer, weights, vocab, graph, opts, fused)
         writer.apply()
         written = set(writer.written)
-        for value in model.graph.initializers.values():  # the weights left as they were: into the new data file
-            if value.name not in written:
+        for value in model.graph.initializers.values():  # the weights left as they were: into the new data file,
+            if value.name not in written and not _shared(value):  # unless other graphs read them too
                 sink.adopt(value, stored)
     finally:
         sink.close()
@@ -210,6 +210,13 @@ def _quantize_model(bundle: Path, staging: Path, manifest: Manifest, graph: str,
                                               if _attr(n, "N") != manifest.target["vocab_size"]})
     record["bits"] = min(int(k.split("-")[0]) for k in kinds)  # the narrowest weights the graph now holds
     return record
+
+
+def _shared(value: ir.Value) -> bool:
+    """A weight in the bundle's shared data file (the vocabulary matrix every graph reads, stored once): left
+    there, so a quantized graph's embedding does not take a copy of it (at 12B, 2 GB per graph)."""
+    tensor = value.const_value
+    return isinstance(tensor, ir.ExternalTensor) and tensor.location == WEIGHTS
 
 
 def _key_by_weight(weights: list[ConstWeight]) -> None:
