@@ -92,7 +92,7 @@ def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
     return params
 
 
-def write_drafter(target: Path, folder: Path) -> int:
+def write_drafter(target: Path, folder: Path, tap_ids: list[int] | None = None) -> int:
     import torch
 
     from dspark.models.checkpoint import save_draft
@@ -105,7 +105,7 @@ def write_drafter(target: Path, folder: Path) -> int:
     loaded = load_target(str(target), lazy=True)
     cfg = draft_config_for(TargetConfig.from_dict(json.loads((target / "config.json").read_text())),
                            mask_token_id=choose_mask_token(loaded), num_layers=5, block_size=7,
-                           target_layer_ids=tuple(taps(loaded.config.num_layers)), markov_rank=256)
+                           target_layer_ids=tuple(tap_ids or taps(loaded.config.num_layers)), markov_rank=256)
     tensors = CheckpointTensors(target)
     embed = torch.nn.Embedding.from_pretrained(tensors.read("model.embed_tokens.weight").float())
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -162,7 +162,7 @@ def timed(cmd: list[str], log: Path) -> dict:
     return {"returncode": proc.returncode, "wall_s": round(wall, 1),
             "peak_rss_gb": round(int(rss.group(1)) / 2**20, 3) if rss else None,
             "peak_anon_gb": round(anon / 2**20, 3),
-            "tail": text.strip().splitlines()[-3:] if proc.returncode else []}
+            "tail": text.split("\tCommand being timed:")[0].strip().splitlines()[-3:] if proc.returncode else []}
 
 
 RUN_CHILD = r"""

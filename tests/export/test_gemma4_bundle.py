@@ -118,6 +118,26 @@ def test_backends_with_one_cache_buffer_refuse_groups(gemma):
     assert "2 KV groups" in not_buildable(Manifest.read(gemma[2]))  # TensorRT says so before it builds
 
 
+def test_a_quantized_gemma4_bundle_decodes_as_its_own_ar(gemma, tmp_path):
+    """4-bit verifier and draft backbone (the portable verifier: fp32 activations for its 4-bit layers, no fused
+    twin to rebuild); per-group caches in the agreement run; greedy DSpark equals the quantized verifier's AR."""
+    import shutil
+
+    from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
+
+    bundle = tmp_path / "q"
+    shutil.copytree(gemma[2], bundle)
+    records = quantize_bundle(bundle, ["verifier", "draft"], QuantizeOptions(
+        bits=4, block_size=16, min_elements=0, agreement_prompts=2, agreement_tokens=8))
+    assert records["verifier"]["layer_accuracy_levels"] == [0]
+    assert records["verifier"]["agreement"]["positions"] == 16
+    assert "verifier_fused" not in Manifest.read_checked(bundle).graphs
+    with Runtime(bundle, threads=1) as rt:
+        ps = prompts()
+        ar = [r.token_ids for r in rt.generate(ps, DecodeOptions(max_tokens=N, policy="ar"))]
+        assert [r.token_ids for r in rt.generate(ps, DecodeOptions(max_tokens=N, policy="all"))] == ar
+
+
 @pytest.mark.parametrize("edit, says", [
     (lambda t: t["kv_groups"][0]["layers"].remove(2), "every layer 0..3 once"),
     (lambda t: t["kv_groups"][1].update(head_dim=8), "head_dim"),
