@@ -42,7 +42,6 @@ def taps(layers: int) -> list[int]:
 
 def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     hidden, layers, inter, heads, kv, tied = QWEN3[size]
@@ -53,6 +52,20 @@ def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     if tied:
         shapes.pop("lm_head.weight", None)
+    params = write_random_shards(folder, shapes)
+    config.save_pretrained(folder)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copyfile(f, folder / f.name)
+    return params
+
+
+def write_random_shards(folder: Path, shapes: dict) -> int:
+    """A new folder of bf16 safetensors shards (up to SHARD_BYTES each, named -of-N, with the index): matrices
+    random (normal, 0.02), vectors and scalars at 1; returns the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
     shard, shard_bytes, weight_map, params, n = {}, 0, {}, 0, 0
@@ -66,7 +79,7 @@ def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
         shard, shard_bytes = {}, 0
 
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if len(shape) <= 1:
             t = torch.ones(shape, dtype=torch.bfloat16)
         else:
             t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
@@ -77,18 +90,11 @@ def write_target(size: str, folder: Path, tokenizer_from: Path) -> int:
             flush()
     if shard:
         flush()
-    total = n
-    renamed = {}
-    for i in range(1, total + 1):
-        old, new = folder / f"model-{i:05d}.safetensors", folder / f"model-{i:05d}-of-{total:05d}.safetensors"
-        old.rename(new)
-        renamed[old.name] = new.name
+    renamed = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+    for old, new in renamed.items():
+        (folder / old).rename(folder / new)
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": params * 2}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}))
-    config.save_pretrained(folder)
-    for f in tokenizer_from.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copyfile(f, folder / f.name)
     return params
 
 

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 from common import ROOT, machine, write_json
-from export_scale import bundle_sizes, runtime_figures, timed, write_drafter
+from export_scale import bundle_sizes, runtime_figures, timed, write_drafter, write_random_shards
 
 sys.path.insert(0, str(ROOT / "tests"))
 from support.gemma4 import GEMMA4_12B_DRAFT, GEMMA4_12B_TEXT, gemma_tokenizer_folder  # noqa: E402
 
-SHARD_BYTES = 2 << 30
 PROMPTS = ["the cat in the hat", "in the", "a tea"]
 TOOL = Path(sys.executable).with_name("dspark-export")
 
@@ -32,7 +31,6 @@ TOOL = Path(sys.executable).with_name("dspark-export")
 def write_target(folder: Path) -> int:
     """gemma-4-12B-it's text decoder (Gemma4ForCausalLM) with random bf16 weights, norms and layer scalars at 1."""
     import torch
-    from safetensors.torch import save_file
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     text = dict(GEMMA4_12B_TEXT, model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], dtype="bfloat16")
@@ -41,32 +39,7 @@ def write_target(folder: Path) -> int:
         model = Gemma4ForCausalLM(config)
         shapes = {k: v.shape for k, v in model.state_dict().items() if not k.endswith(("inv_freq", "embed_scale"))}
     shapes.pop("lm_head.weight", None)  # tied
-    folder.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(0)
-    shard, shard_bytes, weight_map, params, n = {}, 0, {}, 0, 0
-
-    def flush():
-        nonlocal shard, shard_bytes, n
-        n += 1
-        save_file(shard, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
-        weight_map.update({k: f"model-{n:05d}.safetensors" for k in shard})
-        shard, shard_bytes = {}, 0
-
-    for name, shape in shapes.items():
-        t = torch.ones(shape, dtype=torch.bfloat16) if len(shape) <= 1 else \
-            (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        params += t.numel()
-        shard[name] = t
-        shard_bytes += t.numel() * 2
-        if shard_bytes >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    renamed = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
-    for old, new in renamed.items():
-        (folder / old).rename(folder / new)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": params * 2}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}))
+    params = write_random_shards(folder, shapes)
     config.save_pretrained(folder)
     gemma_tokenizer_folder(folder, 384)
     return params
