@@ -35,8 +35,8 @@ def _metadata(reader) -> dict[str, Any]:
     back (the one the converter was handed: 1e-06, not 9.99999997e-07)."""
     out = {}
     for key, field in reader.fields.items():
-        if key.startswith(f"{ARCH}.") or key.startswith("tokenizer.ggml.") and not key.endswith(
-                ("tokens", "scores", "token_type", "merges")):
+        if key.startswith(f"{ARCH}.") or (key.startswith("tokenizer.ggml.") and not key.endswith(
+                ("tokens", "scores", "token_type", "merges"))):
             value = field.contents()
             if field.types == [gguf.GGUFValueType.FLOAT32]:
                 value = float(str(np.float32(value)))

@@ -18,7 +18,8 @@ from dspark.lazy import LazyModule
 gguf = LazyModule("gguf", "pip install gguf (it comes with transformers' GGUF support)")
 
 
-def _architecture(reader) -> str:
+def architecture(reader) -> str:
+    """general.architecture of an open GGUF (gguf.GGUFReader)."""
     field = reader.fields.get("general.architecture")
     if field is None:
         raise DSparkError("the GGUF has no general.architecture")
@@ -43,11 +44,6 @@ def _hf_names(arch: str, hf_model: torch.nn.Module) -> dict[str, str]:
     return mapping
 
 
-def architecture(path: Path) -> str:
-    """general.architecture of a GGUF file (one line for a file the gguf package cannot read)."""
-    return _architecture(open_reader(path))
-
-
 def open_reader(path: Path):
     try:
         return gguf.GGUFReader(str(path))
@@ -65,7 +61,7 @@ class GgufTensors:
 
         self.folder = Path(path)  # (the identity LazyWeights records)
         self.reader = open_reader(path)
-        arch = _architecture(self.reader)
+        arch = architecture(self.reader)
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_model.config.to_dict())
         self.mapping = _hf_names(arch, hf_model)
         self.tensors, self.shapes = {}, {}

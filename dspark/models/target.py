@@ -17,8 +17,7 @@ from dspark.files import atomic_folder, read_json
 from dspark.models.config import TargetConfig
 from dspark.models.gguf_gemma4 import ARCH as GEMMA4_ARCH
 from dspark.models.gguf_gemma4 import gemma4_config
-from dspark.models.gguf_tensors import GgufTensors, open_reader
-from dspark.models.gguf_tensors import architecture as gguf_architecture
+from dspark.models.gguf_tensors import GgufTensors, architecture, open_reader
 from dspark.models.tensors import CheckpointTensors, LazyWeights
 from dspark.models.target_gemma4 import Gemma4Target
 from dspark.models.target_model import TargetModel, TargetStep, kv_cache_shape, text_body  # noqa: F401 (re-exported)
@@ -81,10 +80,10 @@ def _convert_gguf(gguf: Path) -> Path:
     folder = _gguf_cache_folder(gguf)
     if (folder / "config.json").exists():  # (written last, by atomic_folder)
         return folder
-    gemma4 = gguf_architecture(gguf) == GEMMA4_ARCH
+    reader = open_reader(gguf)
     try:
-        if gemma4:  # (transformers' GGUF config reader cannot build a Gemma-4: see dspark.models.gguf_gemma4)
-            config = Gemma4TextConfig(**gemma4_config(open_reader(gguf), gguf.name))
+        if architecture(reader) == GEMMA4_ARCH:  # (transformers' GGUF config reader cannot build a Gemma-4: see
+            config = Gemma4TextConfig(**gemma4_config(reader, gguf.name))  # dspark.models.gguf_gemma4)
             tok = GemmaTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         else:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -194,7 +193,7 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, lazy: boo
         return LoadedTarget(hf_model=hf, config=config, folder=folder, source=name_or_path, source_file=path,
                             lazy=weights, precision=precision)
     try:
-        if gguf is not None and gguf_architecture(gguf) == GEMMA4_ARCH:  # (one the transformers loader lacks)
+        if gguf is not None and config.family == "gemma4":  # (one the transformers loader lacks)
             hf = _eager_from_gguf(folder, gguf, dtype)
         elif gguf is not None and not (folder / "model.safetensors").exists():  # transformers' loader, in memory
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
