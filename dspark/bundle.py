@@ -21,7 +21,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.data"  # the weights every graph refers to by offset (ONNX external data), each stored once
 GRAPHS = ("verifier", "draft", "heads")
-OPTIONAL_GRAPHS = ("verifier_fused", "heads_greedy")  # ONNX Runtime's own twins (dspark-export fuse)
+# ONNX Runtime's own twins (dspark-export fuse); the sampler of rounds with sampling parameters (bundles before it
+# lack it, and refuse those parameters)
+OPTIONAL_GRAPHS = ("verifier_fused", "heads_greedy", "sampler")
 
 
 @dataclass

@@ -70,10 +70,11 @@ def pick_prompts(rows: list[dict], count: int) -> list[dict]:
 
 
 def readable_bundle(bundle: Path) -> bool:
+    """Whether the demo's own bundle is current; if not (made by an older dspark: another format version, or no
+    sampler graph for top_p and the other sampling parameters) it is converted again."""
     try:
-        Manifest.read(bundle)
-        return True
-    except DSparkError:  # e.g. made by an older dspark: the demo's own bundle is converted again
+        return "sampler" in Manifest.read(bundle).graphs
+    except DSparkError:
         return False
 
 
@@ -109,7 +110,7 @@ def ensure_demo_bundle(plan: DemoPlan, weights: str, say: Say) -> None:
         from dspark.export.trace.progress import Progress
         from dspark.models.pair import load_pair
 
-        progress = Progress(5)
+        progress = Progress(6)
         with progress.step("loading target and draft"):
             pair = load_pair(DEMO_TARGET, DEMO_DRAFT, lazy=True)
         # no check/ data: the demo checks its output against AR itself (`dspark-export onnx` records it)

@@ -15,7 +15,7 @@ from dspark.cli.cache import cache_group
 from dspark.cli.check import check_cmd
 from dspark.cli.deepspec import deepspec_cmd
 from dspark.cli.demo import demo_cmd
-from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy
+from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy, sampling_options, sampling_params
 from dspark.cli.quantize import fuse_cmd, quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
@@ -78,7 +78,7 @@ def export_onnx_cmd(target, draft, output, block_size, max_context, draft_vocab,
     check_replaceable(output, force)
     check_target(target)  # one line for a bad target, before the progress display starts
     check_draft_vocab(draft, draft_vocab)  # before minutes of loading the target
-    progress = Progress(5 if no_check else 6, quiet)
+    progress = Progress(6 if no_check else 7, quiet)
     with progress.step(f"loading target {target} and draft {draft}"):
         from dspark.models.pair import load_pair
 
@@ -162,9 +162,10 @@ CUDA_GRAPHS_OPTION = click.option("--cuda-graphs", is_flag=True, help="With --ba
 @BACKEND_OPTION
 @CUDA_GRAPHS_OPTION
 @WEIGHTS_OPTION
+@sampling_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run_cmd(bundle, prompt, max_tokens, temperature, seed, policy, threshold_rule, ar, threshold, gate, threads,
-            backend, cuda_graphs, weights, as_json):
+            backend, cuda_graphs, weights, as_json, **sampling):
     """Decode PROMPT with a bundle (ONNX Runtime on CPU, or its TensorRT engines), streaming the text; ends with
     tau and tokens/s."""
     from dspark.calibration.sps import ensure_sps_table
@@ -173,7 +174,7 @@ def run_cmd(bundle, prompt, max_tokens, temperature, seed, policy, threshold_rul
     policy = run_policy(policy, ar, threshold, gate)
     ar = policy.is_ar
     options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy,
-                            threshold_rule=threshold_rule)
+                            threshold_rule=threshold_rule, sampling=sampling_params(**sampling))
     rt = Runtime(bundle, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
                  weights=ort_weights(backend, weights))
     ensure_sps_table(rt, policy, say=lambda m: click.echo(m, err=True), store=False)  # --gate without a table

@@ -15,18 +15,22 @@ from dspark.kv_layout import KVGroup, group_layers, kv_output_names
 from dspark.models.config import TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.layer_kv import LayerKV
-from dspark.models.sampling import prefix_survival, token_probs, verify
+from dspark.models.sampling import filtered_probs, penalised_logits, prefix_survival, token_probs, verify
 from dspark.models.target import TargetModel
 from dspark.ops.confidence_truncate.torch_op import confidence_truncate
 
 VERIFIER_INPUTS = ("tokens", "past_mask", "logit_index", "verify_len", "temperature", "accept_noise", "sample_noise",
                    "draft_probs")  # then past.{l}.key / past.{l}.value for every target layer
-VERIFIER_OUTPUTS = ("accepted", "next_token", "taps", "new_kv")
+VERIFIER_OUTPUTS = ("accepted", "next_token", "taps", "logits", "new_kv")  # logits: read only by the sampler
 DRAFT_INPUTS = ("ctx_features", "ctx_count", "anchor", "past_mask")  # then draft_past.{l}.key / .value
 DRAFT_OUTPUTS = ("hidden", "new_draft_kv")
 HEADS_INPUTS = ("hidden", "anchor", "temperature", "draft_noise", "conf_temperatures", "threshold", "sps", "budget",
                 "active", "mode", "layout")
 HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verify_mask", "conf_logits")
+SAMPLER_INPUTS = ("logits", "draft_next", "verify_len", "temperature", "accept_noise", "sample_noise", "draft_probs",
+                  "counts", "prompt_seen", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "top_k", "top_p", "min_p")
+SAMPLER_OUTPUTS = ("accepted", "next_token", "probs")  # probs: the processed distributions, read on demand
 
 
 def past_names(prefix: str, layers: int) -> tuple[str, ...]:
@@ -60,7 +64,8 @@ class VerifierGraph(nn.Module):
         step = self.target(tokens, past_mask, _pairs(past))
         d = step.hidden.shape[-1]
         rows = torch.gather(step.hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, d))
-        probs = token_probs(self.target.logits(rows), temperature)
+        logits = self.target.logits(rows).float()
+        probs = token_probs(logits, temperature)
         # Row j judges the token right after it: d_{j+1} = tokens[logit_index[j] + 1] (last row: padding).
         nxt = torch.minimum(logit_index + 1, torch.full_like(logit_index, tokens.shape[1] - 1))  # Min: int-safe in TRT
         draft_next = torch.gather(tokens, 1, nxt)
@@ -68,7 +73,7 @@ class VerifierGraph(nn.Module):
         # a uniform target's new K/V are one [L, 2, B, Hkv, T, hd] tensor; a LayerKV's are one per KV group
         # (new_kv.{g}, in dspark.kv_layout's order, which is LayerKV's)
         new_kv = step.new_kv.groups if isinstance(step.new_kv, LayerKV) else [step.new_kv]
-        return (accepted, next_token, step.taps, *new_kv)
+        return (accepted, next_token, step.taps, logits, *new_kv)
 
 
 class DraftGraph(nn.Module):
@@ -94,3 +99,44 @@ class HeadsGraph(nn.Module):
             survival = prefix_survival(block.conf_logits, conf_temperatures)
         verify_len, verify_mask = confidence_truncate(survival, threshold, sps, budget, active, mode, layout)
         return block.tokens, block.probs, survival, verify_len, verify_mask, block.conf_logits
+
+
+class SamplerGraph(nn.Module):
+    """The verifier's acceptance again, on its logits output, for rounds in which a request sets sampling
+    parameters (dspark.models.sampling.penalised_logits / filtered_probs): the target distribution each verify row
+    judges its draft by, and resamples from, is the processed one. No weights."""
+
+    def forward(self, logits, draft_next, verify_len, temperature, accept_noise, sample_noise, draft_probs, counts,
+                prompt_seen, logit_bias, repetition_penalty, presence_penalty, frequency_penalty, top_k, top_p, min_p):
+        x = penalised_logits(logits, draft_next, counts, prompt_seen, logit_bias, repetition_penalty,
+                             presence_penalty, frequency_penalty)
+        probs = filtered_probs(x, temperature, top_k, top_p, min_p)
+        return (*verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise), probs)
+
+
+def sampler_example_args(vocab: int) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, str]]]:
+    """Example inputs of SamplerGraph for tracing (two requests, three rows) and their dynamic axes."""
+    b, rows = 2, 3
+    g = torch.Generator().manual_seed(3)
+    args = (
+        torch.randn(b, rows, vocab, generator=g),
+        torch.tensor([[1, 2, 0], [3, 3, 0]]) % vocab,
+        torch.tensor([2, 1]),
+        torch.tensor([0.0, 1.0]),
+        torch.rand(b, rows, generator=g),
+        torch.rand(b, generator=g),
+        torch.softmax(torch.randn(b, rows - 1, vocab, generator=g), -1),
+        torch.zeros(b, vocab),
+        torch.zeros(b, vocab),
+        torch.zeros(b, vocab),
+        torch.tensor([1.0, 1.2]),
+        torch.tensor([0.0, 0.5]),
+        torch.tensor([0.0, 0.25]),
+        torch.tensor([0, 5]),
+        torch.tensor([1.0, 0.9]),
+        torch.tensor([0.0, 0.05]),
+    )
+    dims = {**{name: {0: "batch"} for name in SAMPLER_INPUTS}, "logits": {0: "batch", 1: "rows"},
+            "draft_next": {0: "batch", 1: "rows"}, "accept_noise": {0: "batch", 1: "rows"},
+            "draft_probs": {0: "batch", 1: "draft_rows"}}
+    return args, dims

@@ -75,3 +75,65 @@ def prefix_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> to
     Computed as exp(cumsum(log sigmoid)) because ONNX has no cumulative product."""
     log_sig = -torch.nn.functional.softplus(-conf_logits.float() / temperatures.float())
     return torch.exp(torch.cumsum(log_sig, dim=-1))
+
+
+# -- sampling parameters (the sampler graph: dspark.export.graphs.SamplerGraph) ----------------------------------
+#
+# The order is vLLM's: logit_bias, then the penalties (on the logits), then temperature, min_p, top_k, top_p (on the
+# probabilities). A greedy request takes the argmax of its penalised logits.
+
+THRESHOLD_STEPS = 40  # bisection steps of a top_k / top_p threshold: exact up to values 2^-40 of the row's max apart
+
+
+def penalised_logits(logits: torch.Tensor, draft_next: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
+                     logit_bias: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
+                     frequency: torch.Tensor) -> torch.Tensor:
+    """logits [B, K, V] at the K verify rows; draft_next [B, K] the token row j judges, so rows after j see it as
+    emitted (row j sees the drafts of rows 0..j-1, as autoregressive decoding would once they are accepted);
+    counts [B, V] the tokens emitted before the round's first row; prompt_seen [B, V] 1 where the prompt holds a
+    token; logit_bias [B, V]; repetition / presence / frequency [B] (1, 0, 0: off).
+
+    repetition divides a seen token's positive logit and multiplies a negative one (seen: in the prompt or emitted);
+    presence and frequency subtract p * [count > 0] + f * count over the emitted tokens (OpenAI's definition)."""
+    b, k, v = logits.shape
+    hit = (draft_next.unsqueeze(-1) == torch.arange(v, device=logits.device)).to(torch.float32)  # [B, K, V]
+    count = counts.unsqueeze(1) + (torch.cumsum(hit, dim=1) - hit)  # exclusive: the drafts of earlier rows
+    x = logits.float() + logit_bias.unsqueeze(1)
+    rep = repetition.view(b, 1, 1)
+    seen = (count > 0) | (prompt_seen.unsqueeze(1) > 0)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    emitted = (count > 0).to(torch.float32)
+    return x - presence.view(b, 1, 1) * emitted - frequency.view(b, 1, 1) * count
+
+
+def _largest_threshold(values: torch.Tensor, enough) -> torch.Tensor:
+    """The largest t in [0, max(values)] (per row of values [..., V], to THRESHOLD_STEPS bisection steps) at which
+    enough(values >= t) still holds; enough must hold at 0 and be monotone. A fixed loop of comparisons and sums:
+    TensorRT's TopK stops at 3840, under a vocabulary."""
+    lo = torch.zeros_like(values[..., :1])
+    hi = values.max(dim=-1, keepdim=True).values
+    for _ in range(THRESHOLD_STEPS):
+        mid = (lo + hi) * 0.5
+        ok = enough(values >= mid)
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    return lo
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Penalised logits [B, K, V] -> the distribution a request samples from [B, K, V] (normalised; one-hot argmax
+    where greedy). min_p keeps tokens of at least min_p x the top probability; top_k (0: off) the k most likely
+    (ties at the k-th kept); top_p the smallest most-likely set holding top_p of the mass left (ties kept)."""
+    b, _, v = logits.shape
+    probs = token_probs(logits, temperature)
+    probs = torch.where(probs >= min_p.view(b, 1, 1) * probs.max(dim=-1, keepdim=True).values, probs,
+                        torch.zeros_like(probs))
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).to(torch.float32).view(b, 1, 1)
+    kth = _largest_threshold(probs, lambda keep: keep.to(torch.float32).sum(dim=-1, keepdim=True) >= k)
+    probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    p = top_p.view(b, 1, 1)
+    mass = probs.sum(dim=-1, keepdim=True) * p
+    nucleus = _largest_threshold(probs, lambda keep: (probs * keep).sum(dim=-1, keepdim=True) >= mass)
+    nucleus = torch.where(p >= 1.0, torch.zeros_like(nucleus), nucleus)  # (a float sum may lose the smallest)
+    probs = torch.where(probs >= nucleus, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "dspark.backends"
 SAMPLING_INPUTS = ("temperature", "draft_noise")  # heads inputs only sampling reads (the greedy heads lack them)
 SAMPLING_OUTPUTS = ("draft_probs",)  # heads outputs only sampling needs
+STEP_OUTPUTS = ("accepted", "next_token", "taps")  # what every verifier step gives (then its new K/V)
+# outputs given only when fetched, [B, rows, V] floats: the verifier's logits (the sampler's input), the sampler's
+# processed distributions
+ON_DEMAND = ("logits", "probs")
 
 
 def available_memory() -> int | None:
@@ -46,6 +50,11 @@ class Tensor(Protocol):
     """A graph output: an onnxruntime.OrtValue, or a device tensor of a GPU backend. `.numpy()` gives host data."""
 
     def numpy(self) -> np.ndarray: ...
+
+
+def host(x) -> np.ndarray:
+    """A graph output (Tensor) or a host array, as a host array."""
+    return x if isinstance(x, np.ndarray) else x.numpy()
 
 
 class Graph(Protocol):
@@ -132,6 +141,10 @@ class Backend(ABC):
     # the heads of rounds whose every live request is greedy, without the SAMPLING_INPUTS and SAMPLING_OUTPUTS (the
     # verifier then takes zero draft probabilities: dspark.export.twins.greedy_heads); None: `heads` takes every round
     heads_greedy: Graph | None = None
+    # rounds in which a request sets sampling parameters (top_k, top_p, min_p, penalties, logit_bias): acceptance
+    # again on the verifier's logits (`verifier.run(feeds, fetch=[..., "logits"])`), dspark.export.graphs.SamplerGraph;
+    # None: this backend or bundle has none, and such requests are refused
+    sampler: Graph | None = None
 
     @abstractmethod
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

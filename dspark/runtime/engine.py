@@ -31,6 +31,7 @@ from dspark.runtime.engine_request import Delta, EngineObserver, Request, Reques
 from dspark.runtime.gate import new_gate
 from dspark.runtime.observers import RoundObserver, RoundRecord
 from dspark.runtime.room import max_new_tokens
+from dspark.runtime.sampling import check_sampling
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
@@ -107,6 +108,7 @@ class Engine:
         if options.max_tokens > room:
             raise DSparkError(f"prompt of {len(prompt_ids)} tokens + max_tokens {options.max_tokens} does not fit "
                               f"the context of {self.capacity} positions (at most {max(room, 0)} new tokens)")
+        check_sampling(self.slots.sampling, options.sampling, self.runtime.backend.kind)
         if options.policy is None:
             return self.policy.is_ar
         asked = VerifyPolicy.parse(options.policy)
@@ -209,7 +211,8 @@ class Engine:
             request.stop_text = StopText(self.runtime.tokenizer, request.options.stop)
             options = request.options
             self._decoding[request.id] = SlotRequest(request.id, request.prompt_ids, options.max_tokens,
-                                                     options.temperature, options.seed, ar=request.ar)
+                                                     options.temperature, options.seed, ar=request.ar,
+                                                     sampling=options.sampling)
             self.slots.add(self._decoding[request.id])
         self._deliver(self.slots.step())
         self._forget_finished()

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 from dspark.errors import DSparkError
 from dspark.runtime.options import check_seed, check_temperature, check_tokens
+from dspark.runtime.sampling import NEUTRAL, SamplingParams
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 4
@@ -21,13 +22,15 @@ class RequestOptions:
     """max_tokens: tokens to generate at most. temperature: 0 = greedy. seed: keys the request's noise, so the
     same prompt, options and seed give the same tokens whatever else is in flight (`dspark run --seed`).
     stop: strings that end the request (not included in its text). policy: None = the engine's; "ar" decodes
-    this request autoregressively inside a drafting batch (exact; same tokens as `dspark run --ar`)."""
+    this request autoregressively inside a drafting batch (exact; same tokens as `dspark run --ar`).
+    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
     policy: str | None = None
+    sampling: SamplingParams = NEUTRAL
 
     def __post_init__(self):
         check_tokens("max_tokens", self.max_tokens)

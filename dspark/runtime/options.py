@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.errors import DSparkError
+from dspark.runtime.sampling import NEUTRAL, SamplingParams
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.schema import check_number, is_int
 
@@ -21,7 +22,8 @@ class DecodeOptions:
     batch_size: slots decoding at once (default: all requests); further requests queue for a free slot.
     threshold_rule: how a static threshold cuts the drafts: "cumulative" (default) verifies the prefix whose
         calibrated survival (the product of the per-position confidences) reaches it; "first" is DeepSpec's
-        --confidence-threshold: cut at the first position whose own confidence is below it."""
+        --confidence-threshold: cut at the first position whose own confidence is below it.
+    sampling: top_k, top_p, min_p, penalties and logit_bias (dspark.runtime.sampling), lossless like temperature."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -29,6 +31,7 @@ class DecodeOptions:
     policy: VerifyPolicy | str = "all"
     batch_size: int | None = None
     threshold_rule: str = "cumulative"
+    sampling: SamplingParams = NEUTRAL
 
     def __post_init__(self):
         if isinstance(self.policy, str):
@@ -41,6 +44,8 @@ class DecodeOptions:
         check_seed(self.seed)
         if self.batch_size is not None:
             _integer("batch_size", self.batch_size, 1)
+        if not isinstance(self.sampling, SamplingParams):
+            raise DSparkError(f"sampling must be SamplingParams, not {type(self.sampling).__name__}")
         if self.threshold_rule not in THRESHOLD_RULES:
             raise DSparkError(f"threshold_rule {self.threshold_rule!r} is not one of {', '.join(THRESHOLD_RULES)}")
 

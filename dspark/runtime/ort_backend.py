@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from dspark.bundle import WEIGHTS, GraphSpec, Manifest
 from dspark.errors import DSparkError
-from dspark.runtime.backend import SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend, available_memory
+from dspark.runtime.backend import ON_DEMAND, SAMPLING_INPUTS, SAMPLING_OUTPUTS, Backend, available_memory
 from dspark.runtime.fused_verifier import FusedVerifier, lane_count
 from dspark.runtime.kv import HostKV, HostRows
 
@@ -119,15 +119,18 @@ class OrtGraph:
     def run(self, feeds: dict[str, np.ndarray | ort.OrtValue], into: dict[str, np.ndarray] | None = None,
             fetch: list[str] | None = None, binding: ort.IOBinding | None = None) -> dict[str, ort.OrtValue]:
         """`into`: outputs written into these arrays (same shape, C-contiguous) instead of new memory; `fetch`:
-        the other outputs wanted (default: all); `binding`: one from binding(), whose inputs stay bound (inputs
-        that never change: binding hundreds of them costs ~2 us each per step)."""
+        the other outputs wanted (default: all but those given on demand, the verifier's logits); `binding`: one
+        from binding(), whose inputs stay bound (inputs that never change: binding hundreds of them costs ~2 us
+        each per step)."""
         if binding is None:
             binding = self.binding(feeds)
         else:
             binding.clear_binding_outputs()
             _bind_inputs(binding, feeds)
         into = into or {}
-        names = self.outputs if fetch is None else [*fetch, *(k for k in into if k not in fetch)]
+        if fetch is None:
+            fetch = [name for name in self.outputs if name not in ON_DEMAND]
+        names = [*fetch, *(k for k in into if k not in fetch)]
         for k in names:
             if k in into:
                 a = into[k]
@@ -177,6 +180,12 @@ class OrtBackend(Backend):
         else:
             self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
+        # the sampler reads the logits of whichever verifier graph takes the step (a bundle before it: no logits)
+        verifiers = [n for n in ("verifier", "verifier_fused") if n in manifest.graphs and verifier != "portable"
+                     or n == "verifier"]
+        if "sampler" in manifest.graphs and all("logits" in [o.name for o in manifest.graphs[n].outputs]
+                                                for n in verifiers):
+            self.sampler = OrtGraph(folder, "sampler", manifest.graphs["sampler"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
         if "heads_greedy" in manifest.graphs:
             self.heads_greedy = OrtGraph(folder, "heads_greedy", manifest.graphs["heads_greedy"], opts)

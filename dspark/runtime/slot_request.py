@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise
 from dspark.runtime.results import RequestResult
+from dspark.runtime.sampling import NEUTRAL, SamplingParams
 
 
 @dataclass(eq=False)
 class SlotRequest:
     """One request as a slot decodes it. `id` names it in Events; `seed` and `stream` key its noise (a batch
     decode numbers its requests 0..n-1 under one seed, the engine gives each its own seed and stream 0).
-    ar: decode autoregressively inside a drafting batch (no drafts verified; noise drawn as a plain step)."""
+    ar: decode autoregressively inside a drafting batch (no drafts verified; noise drawn as a plain step).
+    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling)."""
 
     id: int
     prompt_ids: list[int]
@@ -21,6 +23,7 @@ class SlotRequest:
     seed: int = 0
     stream: int = 0
     ar: bool = False
+    sampling: SamplingParams = NEUTRAL
     result: RequestResult = field(init=False)
 
     def __post_init__(self):

@@ -11,7 +11,8 @@ queued request while the other slots go on. Each round mirrors dspark.models.ref
                 (a block of draft tokens + their probabilities), the confidence head (calibrated prefix survival)
                 and dspark::ConfidenceTruncate; the RoundPlanner turns that into drafts verified per request
     3. verify:  verifier.onnx runs each anchor + its verified drafts against the target cache; acceptance (greedy
-                match, or lossless rejection sampling) and the next token are computed inside the graph
+                match, or lossless rejection sampling) and the next token are computed inside the graph (for
+                requests with top_k, top_p, penalties...: by sampler.onnx on its logits, dspark.runtime.sampling)
     4. commit:  per request, the accepted drafts + next token (cut at a stop token), K/V and target features
                 kept after the valid prefix, the rest rolled back by a length change (O(1))
 
@@ -34,11 +35,12 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.kv_layout import kv_groups, kv_output_names
 from dspark.noise import GREEDY_EPS, PlainStepNoise, RequestNoise, stack
-from dspark.runtime.backend import Backend
+from dspark.runtime.backend import STEP_OUTPUTS, Backend, host
 from dspark.runtime.gate import DraftGate
 from dspark.runtime.kv import HostKV, HostRows, LeadingKV, LeadingRows, move_kv, move_rows
 from dspark.runtime.observers import CONFIDENCE, TAPS, PrefillRecord, RoundObserver, RoundRecord
 from dspark.runtime.results import Event
+from dspark.runtime.sampling import SamplingRows, check_sampling
 from dspark.runtime.slot_request import Slot, SlotRequest
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
@@ -79,6 +81,8 @@ class Slots:
         self.anchor = np.zeros(batch, dtype=np.int64)
         self.ar = np.zeros(batch, dtype=bool)  # "ar" requests: they never draft
         self.occupied = np.zeros(batch, dtype=bool)
+        # top_k, top_p, min_p, penalties, logit_bias: only with a sampler graph (else rows of no vocabulary)
+        self.sampling = SamplingRows(batch, t["vocab_size"] if backend.sampler is not None else 0)
         self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule,
                                     manifest.acceptance_prior())
         self.gate = gate
@@ -114,6 +118,7 @@ class Slots:
 
     def add(self, request: SlotRequest) -> None:
         """Queue a request; a step admits it when a slot is free."""
+        check_sampling(self.sampling, request.sampling, self.backend.kind)
         self.queue.append(request)
 
     def cancel(self, request: SlotRequest) -> None:
@@ -192,7 +197,7 @@ class Slots:
         t0 = time.perf_counter()
         _, first, taps, new_kv = self._verify(
             *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], whole.zero[:n], self.temperature[slots],
-            stack(noises, 1), stack(noises, 1)[:, 0], whole.no_drafts[:n])
+            stack(noises, 1), stack(noises, 1)[:, 0], whole.no_drafts[:n], np.asarray(slots))
         seconds = time.perf_counter() - t0
         events = []
         for i, (slot, request) in enumerate(zip(slots, requests)):
@@ -202,9 +207,9 @@ class Slots:
             if not request.ar:
                 self.ctx.put(slot, taps, i, count)
             self.anchor[slot] = first[i]
-            events.append(Event(request.id, self._take(request, [int(first[i])]), request.result.done))
+            events.append(Event(request.id, self._take(slot, request, [int(first[i])]), request.result.done))
         self._tell("prefilled", PrefillRecord(requests, lengths.tolist(), seconds,
-                                              self._host(taps) if TAPS in self._wants else None))
+                                              host(taps) if TAPS in self._wants else None))
         return events
 
     def _open(self, slot: int, request: SlotRequest) -> None:
@@ -212,6 +217,7 @@ class Slots:
         self.slots[slot] = Slot(request, (PlainStepNoise if request.ar else RequestNoise)(request.seed,
                                                                                           request.stream))
         self.temperature[slot], self.ar[slot], self.occupied[slot] = request.temperature, request.ar, True
+        self.sampling.open(slot, request.sampling, request.prompt_ids)
         self.kv.commit(slot, 0)
         self.draft_kv.commit(slot, 0)
         self.ctx.count[slot] = 0
@@ -237,6 +243,7 @@ class Slots:
             move_rows(self.ctx, src, dst)
             for array in (self.temperature, self.anchor, self.ar, self.occupied):
                 array[dst] = array[src]
+            self.sampling.move(src, dst)
             self.occupied[src] = False
             self.slots[dst], self.slots[src] = self.slots[src], Slot()
 
@@ -263,7 +270,7 @@ class Slots:
         t0 = time.perf_counter()
         accepted, nxt, taps, new_kv = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index,
                                                    record.verify_len, rows.temperature, accept,
-                                                   stack(noises, 1)[:, 0], draft_probs)
+                                                   stack(noises, 1)[:, 0], draft_probs, np.arange(b))
         record.verify_seconds = time.perf_counter() - t0
         if self.gate is not None:
             self.gate.observe_verify(b * t, record.verify_seconds)  # the positions this step computed
@@ -271,7 +278,7 @@ class Slots:
         events = [self._commit(rows, int(slot), int(accepted[slot]), drafts, int(nxt[slot]),
                                int(record.verify_len[slot]), t, taps, new_kv) for slot in np.flatnonzero(live)]
         if TAPS in self._wants:
-            record.taps = self._host(taps)
+            record.taps = host(taps)
         self._tell("round", record)
         return events
 
@@ -326,7 +333,7 @@ class Slots:
             commit = commit[:stop_at + 1]
         res.accepted.append(min(accepted, len(commit)))
         res.committed.append(len(commit))
-        event = Event(request.id, self._take(request, commit), res.done)
+        event = Event(request.id, self._take(slot, request, commit), res.done)
         if not res.done:
             self.kv.commit(slot, int(self.kv.lengths[slot]) + accepted + 1)
             if not rows.ar[slot]:
@@ -334,7 +341,7 @@ class Slots:
             rows.anchor[slot] = nxt
         return event
 
-    def _take(self, request: SlotRequest, tokens: list[int]) -> list[int]:
+    def _take(self, slot: int, request: SlotRequest, tokens: list[int]) -> list[int]:
         """Append tokens to the request up to a stop token or its max_tokens; returns what was appended."""
         res = request.result
         out = []
@@ -347,16 +354,19 @@ class Slots:
                 res.done = True
                 break
         res.token_ids += out
+        self.sampling.emitted(slot, out)  # what the penalties count
         if res.done:
             res.seconds = time.perf_counter() - res.started
         return out
 
     # -- graph calls ------------------------------------------------------------------------------------------
 
-    def _run(self, graph: str, feeds: dict) -> dict:
-        """One graph call; an engine's run-time failure (bad values, out of memory) becomes one DSparkError line."""
+    def _run(self, graph: str, feeds: dict, fetch: list[str] | None = None) -> dict:
+        """One graph call (fetch: the outputs wanted, when not the default ones); an engine's run-time failure (bad
+        values, out of memory) becomes one DSparkError line."""
         try:
-            return getattr(self.backend, graph).run(feeds)
+            run = getattr(self.backend, graph).run
+            return run(feeds) if fetch is None else run(feeds, fetch=fetch)
         except DSparkError:
             raise
         except Exception as e:  # onnxruntime / TensorRT raise their own exception types
@@ -364,23 +374,25 @@ class Slots:
             raise DSparkError(f"the {graph} graph failed at run time: {first[:300]}") from None
 
     def _verify(self, feeds_kv: dict, mask, tokens, logit_index, verify_len, temperature, accept, sample,
-                draft_probs):
-        out = self._run("verifier", {
-            "tokens": tokens, "past_mask": mask, "logit_index": logit_index, "verify_len": verify_len,
-            "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
-            **feeds_kv,
-        })
+                draft_probs, slots: np.ndarray):
+        """The verifier's step (slots: each row's slot); rows of requests with sampling parameters are accepted by
+        the sampler graph instead."""
+        feeds = {"tokens": tokens, "past_mask": mask, "logit_index": logit_index, "verify_len": verify_len,
+                 "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
+                 **feeds_kv}
+        sampled = np.flatnonzero(self.sampling.on[slots])
+        out = self._run("verifier", feeds, [*STEP_OUTPUTS, "logits", *self.kv_outputs] if len(sampled) else None)
+        accepted, nxt = out["accepted"].numpy(), out["next_token"].numpy()
+        if len(sampled):  # acceptance under the processed distributions (dspark.runtime.sampling)
+            redone = self._run("sampler", self.sampling.sampler_feeds(out["logits"], feeds, sampled, slots[sampled]))
+            accepted, nxt = np.array(accepted), np.array(nxt)
+            accepted[sampled], nxt[sampled] = redone["accepted"].numpy(), redone["next_token"].numpy()
         new_kv = [self._state(out[name]) for name in self.kv_outputs]
-        return (out["accepted"].numpy(), out["next_token"].numpy(), self._state(out["taps"]),
-                new_kv[0] if len(new_kv) == 1 else new_kv)
+        return accepted, nxt, self._state(out["taps"]), new_kv[0] if len(new_kv) == 1 else new_kv
 
     def _state(self, x):
         """A graph output the caches take: kept where it is on a device backend, else as a host array."""
         return x if self.backend.device_resident else x.numpy()
-
-    @staticmethod
-    def _host(x) -> np.ndarray:
-        return x if isinstance(x, np.ndarray) else x.numpy()
 
     def _tell(self, what: str, record) -> None:
         for observer in self.observers:

@@ -17,7 +17,12 @@ from dspark.runtime.engine import EngineClosed, QueueFull
 from dspark.runtime.engine_request import Delta, Request, RequestOptions
 from dspark.serve.limits import BodyLimit
 from dspark.serve.responses import DONE, ApiError, Shape, sse
+from dspark.runtime.sampling import SamplingParams, check_sampling
 from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
+
+SAMPLING_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias")
+NEUTRAL_BODY = SamplingFields(model="")
 from dspark.serve.state import ServerState
 
 
@@ -125,7 +130,30 @@ def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], ma
                        param="max_tokens", code="context_length_exceeded")
     seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 63)
     return RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
-                          stop=body.stop_strings, policy=None if body.policy == "default" else body.policy)
+                          stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
+                          sampling=_sampling(state, body))
+
+
+def _sampling(state: ServerState, body: SamplingFields) -> SamplingParams:
+    """The request's sampling parameters (ranges checked by the schema); 400 naming the field for a logit_bias key
+    that is no token id of this model, or parameters this bundle cannot sample with."""
+    vocab = state.runtime.manifest.target["vocab_size"]
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdecimal() or int(key) >= vocab:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1})",
+                           param="logit_bias")
+        bias[int(key)] = float(value)
+    params = SamplingParams(top_k=body.top_k, top_p=float(body.top_p), min_p=float(body.min_p),
+                            repetition_penalty=float(body.repetition_penalty),
+                            presence_penalty=float(body.presence_penalty),
+                            frequency_penalty=float(body.frequency_penalty), logit_bias=bias)
+    try:
+        check_sampling(state.engine.slots.sampling, params, state.runtime.backend.kind)
+    except DSparkError as e:
+        first = next((name for name in SAMPLING_FIELDS if getattr(body, name) != getattr(NEUTRAL_BODY, name)), None)
+        raise ApiError(400, str(e), param=first) from None
+    return params
 
 
 async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields, prompt_ids: list[int],

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), strict about types.
 
-Unknown fields are refused with 400 (as the OpenAI API does: "Unrecognized request argument"). OpenAI fields this
-server does not implement are accepted only at their neutral values (n=1, top_p=1, no penalties, no logprobs,
-no echo), so a client never gets silently different sampling than it asked for.
+Unknown fields are refused with 400 (as the OpenAI API does: "Unrecognized request argument"). Sampling takes
+OpenAI's top_p, presence_penalty, frequency_penalty and logit_bias and vLLM's top_k, min_p and repetition_penalty, in
+their ranges (dspark.runtime.sampling). OpenAI fields this server does not implement are accepted only at their
+neutral values (n=1, no logprobs, no echo), so a client never gets silently different sampling than it asked for.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from dspark.runtime.engine_request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from dspark.runtime.sampling import BIAS_LIMIT, MAX_REPETITION, PENALTY_LIMIT
 
 MAX_PROMPT_CHARS = 200_000
 MAX_PROMPT_IDS = 65_536
+MAX_BIASED = 1024  # logit_bias entries (OpenAI takes up to 300)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 Stop = Union[None, Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)],
@@ -39,12 +42,18 @@ class SamplingFields(BaseModel):
     policy: Literal["ar", "default"] = "default"  # dspark: decode this request autoregressively
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
     n: Literal[1] = 1
-    top_p: Literal[1, 1.0] = 1.0
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=0)] = 0  # vLLM's; 0: off
+    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0  # vLLM's
+    repetition_penalty: Annotated[Number, Field(gt=0.0, le=MAX_REPETITION)] = 1.0  # vLLM's
+    presence_penalty: Annotated[Number, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] = 0.0
+    logit_bias: Annotated[dict[StrictStr, Annotated[Number, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]],
+                          Field(max_length=MAX_BIASED)] | None = None
     logprobs: None | Literal[False] = None
 
-    @field_validator("temperature", mode="before")
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     mode="before")
     @classmethod
     def _a_number(cls, value):
         """A JSON number: pydantic's float would take true and "0.5" (a client's bug, not a temperature)."""

@@ -21,7 +21,10 @@ MARK = "# written by dspark-export triton"  # first line of config.pbtxt: what -
 
 INPUTS = [("text_input", "TYPE_STRING", "[ 1 ]"), ("prompt_ids", "TYPE_INT64", "[ -1 ]"),
           ("max_tokens", "TYPE_INT32", "[ 1 ]"), ("temperature", "TYPE_FP32", "[ 1 ]"),
-          ("seed", "TYPE_INT64", "[ 1 ]")]
+          ("seed", "TYPE_INT64", "[ 1 ]"), ("top_k", "TYPE_INT32", "[ 1 ]"), ("top_p", "TYPE_FP32", "[ 1 ]"),
+          ("min_p", "TYPE_FP32", "[ 1 ]"), ("repetition_penalty", "TYPE_FP32", "[ 1 ]"),
+          ("presence_penalty", "TYPE_FP32", "[ 1 ]"), ("frequency_penalty", "TYPE_FP32", "[ 1 ]"),
+          ("logit_bias_ids", "TYPE_INT64", "[ -1 ]"), ("logit_bias_values", "TYPE_FP32", "[ -1 ]")]
 OUTPUTS = [("text_output", "TYPE_STRING", "[ 1 ]"), ("token_ids", "TYPE_INT64", "[ -1 ]"),
            ("finish_reason", "TYPE_STRING", "[ 1 ]")]
 

@@ -6,7 +6,9 @@ engine (dspark.runtime.engine); requests from Triton join its queue, so requests
 batch slots. Runs inside Triton's Python backend stub (EXECUTION_ENV_PATH: an environment with dspark).
 
 Inputs: text_input (a prompt, through the chat template) or prompt_ids (token ids, as they are); optional
-max_tokens, temperature, seed. Outputs: text_output (a piece), token_ids (the piece's ids), finish_reason.
+max_tokens, temperature, seed, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty and
+logit_bias_ids / logit_bias_values (dspark.runtime.sampling). Outputs: text_output (a piece), token_ids (the piece's
+ids), finish_reason.
 """
 import sys
 import threading
@@ -20,6 +22,7 @@ from dspark.files import parse_json
 from dspark.runtime.api import Runtime
 from dspark.runtime.engine import Engine, EngineOptions
 from dspark.runtime.engine_request import Delta, RequestOptions
+from dspark.runtime.sampling import SamplingParams
 
 
 def parameters(model_config: str) -> dict[str, str]:
@@ -54,6 +57,23 @@ def _scalar(request, name, default):
     return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
 
 
+def _sampling(request) -> SamplingParams:
+    """top_k, top_p, min_p, the penalties (scalars) and logit_bias_ids / logit_bias_values (two lists)."""
+    ids = pb_utils.get_input_tensor_by_name(request, "logit_bias_ids")
+    values = pb_utils.get_input_tensor_by_name(request, "logit_bias_values")
+    ids = [] if ids is None else [int(x) for x in ids.as_numpy().reshape(-1)]
+    values = [] if values is None else [float(x) for x in values.as_numpy().reshape(-1)]
+    if len(ids) != len(values):
+        raise DSparkError(f"logit_bias_ids has {len(ids)} entries and logit_bias_values {len(values)}: give one "
+                          f"value per id")
+    return SamplingParams(top_k=int(_scalar(request, "top_k", 0)), top_p=float(_scalar(request, "top_p", 1.0)),
+                          min_p=float(_scalar(request, "min_p", 0.0)),
+                          repetition_penalty=float(_scalar(request, "repetition_penalty", 1.0)),
+                          presence_penalty=float(_scalar(request, "presence_penalty", 0.0)),
+                          frequency_penalty=float(_scalar(request, "frequency_penalty", 0.0)),
+                          logit_bias=dict(zip(ids, values)))
+
+
 def _response(text: str, token_ids: list, finish_reason: str):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
@@ -84,7 +104,7 @@ class TritonPythonModel:
                 ids = self._prompt_ids(request)
                 options = RequestOptions(max_tokens=int(_scalar(request, "max_tokens", 64)),
                                          temperature=float(_scalar(request, "temperature", 0.0)),
-                                         seed=int(_scalar(request, "seed", 0)))
+                                         seed=int(_scalar(request, "seed", 0)), sampling=_sampling(request))
                 self.engine.submit(ids, options, sink=self._sink(sender))
             except Exception as e:  # bad input: one error response, then the stream ends
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),

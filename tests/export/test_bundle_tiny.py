@@ -95,7 +95,8 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
     hf, target, drafter, path = tiny
     rep = check_bundle(path, trt_lint=True)
     assert rep.passed, [r for r in rep.rows if not r.passed]
-    assert {r.graph for r in rep.rows} == {"verifier", "draft", "heads", "heads_greedy"}
+    assert {r.graph for r in rep.rows} == {"verifier", "draft", "heads", "heads_greedy", "sampler"}
+    assert {r.output for r in rep.rows if r.graph == "verifier"} >= {"logits", "accepted", "next_token"}
     assert rep.e2e["dspark"]["passed"] and rep.e2e["ar"]["passed"]
     import onnx
     from onnx import numpy_helper
@@ -112,6 +113,20 @@ def test_check_passes_and_catches_a_swapped_graph(tiny, tmp_path):
     assert not bad.passed
     failed = {(r.graph, r.output) for r in bad.rows if not r.passed}
     assert ("heads", "conf_logits") in failed and ("heads", "survival") in failed
+
+
+def test_check_catches_a_sampler_that_skips_top_k_and_top_p(tiny, tmp_path, monkeypatch):
+    from dspark.export.trace.onnx_export import sampler_example
+    from dspark.models.sampling import token_probs
+
+    hf, target, drafter, path = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    monkeypatch.setattr(graphs, "filtered_probs", lambda x, temperature, *rest: token_probs(x, temperature))
+    export_graph(sampler_example(Pair(TinyLoaded(hf, path), target, drafter, "random")), bad / "sampler.onnx")
+    restamp(bad)
+    rep = check_bundle(bad)
+    assert not rep.passed and {r.graph for r in rep.rows if not r.passed} == {"sampler"}
 
 
 def test_trt_lint_is_clean_and_flags_unsupported_graphs(tiny, tmp_path):

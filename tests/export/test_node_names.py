@@ -63,7 +63,7 @@ def bundles(tmp_path_factory):
 def test_every_node_is_named_by_where_it_belongs(bundles):
     fp32, q = bundles
     names = _names(fp32)
-    assert set(names) == {"verifier", "draft", "heads", "verifier_fused", "heads_greedy"}
+    assert set(names) == {"verifier", "draft", "heads", "verifier_fused", "heads_greedy", "sampler"}
     assert "target/layers.1/self_attn/q_proj/MatMul" in names["verifier"]  # a stamped layer's own path
     assert "target/layers.1/mlp/down_proj/MatMul" in names["verifier"]
     assert any(n.startswith("dims/batch/") for n in names["verifier"])  # the shared dimension sizes

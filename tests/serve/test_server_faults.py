@@ -205,3 +205,17 @@ def test_port_0_says_the_port_it_listens_on(tiny_bundle_v6, tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_p", 0), ("top_p", 1.5), ("top_p", "0.9"), ("top_k", -1), ("top_k", 2.5), ("min_p", 1.5), ("min_p", True),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"1": 150}),
+    ("logit_bias", {"99": 1}), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", [1]),
+])
+def test_out_of_range_sampling_parameters_get_a_400_naming_the_field(server, field, value):
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions",
+                                                   {**{k: v for k, v in GOOD.items() if k != "prompt"},
+                                                    "messages": [{"role": "user", "content": "w1 w2"}]})):
+        error = error_of(post(server, {**body, field: value}, path), 400)
+        assert error["param"].split(".")[0] == field, error
+    assert post(server, GOOD).status_code == 200  # nothing leaked into the next request

@@ -58,6 +58,26 @@ def test_seeded_sampling_through_the_server_is_reproducible(tiny_bundle_v6, clie
     assert texts == {reference["text"]}
 
 
+def test_sampling_parameters_through_the_client_equal_the_runtime(runtime, client):
+    """top_p, penalties and logit_bias (OpenAI's), top_k, min_p and repetition_penalty (vLLM's, as extra_body):
+    a seeded request's tokens equal the runtime's with the same parameters; greedy with penalties too."""
+    from dspark.runtime.sampling import SamplingParams
+
+    ids = runtime.tokenizer.encode(PROMPTS[2])
+    for temperature, seed in ((1.0, 3), (0.0, 0)):
+        params = SamplingParams(top_k=4, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                                frequency_penalty=0.3, logit_bias={2: -1.5})
+        expected = runtime.generate([ids], DecodeOptions(max_tokens=16, temperature=temperature, seed=seed,
+                                                         sampling=params))[0]
+        plain = runtime.generate([ids], DecodeOptions(max_tokens=16, temperature=temperature, seed=seed))[0]
+        assert expected.token_ids != plain.token_ids  # the parameters change this decode
+        reply = client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=temperature,
+                                          seed=seed, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
+                                          logit_bias={"2": -1.5},
+                                          extra_body={"top_k": 4, "min_p": 0.05, "repetition_penalty": 1.2})
+        assert reply.choices[0].text == expected.text
+
+
 def test_streaming_gives_the_same_text_in_pieces_and_usage(runtime, client):
     expected = runtime.generate([PROMPTS[2]], DecodeOptions(max_tokens=24, temperature=1.0, seed=3))[0]
     for chat in (True, False):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.sampling import SamplingParams
 from dspark.serve.triton import python_backend_dir
 from serve_support import free_port, wait_until
 
@@ -123,6 +124,21 @@ def test_triton_greedy_tokens_equal_dspark_run_and_stream(tiny_bundle_v6, triton
                                         tensor("temperature", np.array([1.0], dtype=np.float32)),
                                         tensor("seed", np.array([4], dtype=np.int64))])
     assert sum(ids, []) == expected.token_ids
+    params = SamplingParams(top_k=3, top_p=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+                            frequency_penalty=0.2, logit_bias={1: -2.0, 4: 1.0})
+    expected = rt.generate([text], DecodeOptions(max_tokens=12, temperature=1.0, seed=4, policy="ar",
+                                                 sampling=params))[0]
+    scalars = {"top_k": np.int32(3), "top_p": np.float32(0.9), "min_p": np.float32(0.05),
+               "repetition_penalty": np.float32(1.3), "presence_penalty": np.float32(0.4),
+               "frequency_penalty": np.float32(0.2)}
+    ids, _, _ = stream(triton["grpc"], [tensor("text_input", np.array([text.encode()], dtype=np.object_)),
+                                        tensor("max_tokens", np.array([12], dtype=np.int32)),
+                                        tensor("temperature", np.array([1.0], dtype=np.float32)),
+                                        tensor("seed", np.array([4], dtype=np.int64)),
+                                        *(tensor(k, np.array([v])) for k, v in scalars.items()),
+                                        tensor("logit_bias_ids", np.array([1, 4], dtype=np.int64)),
+                                        tensor("logit_bias_values", np.array([-2.0, 1.0], dtype=np.float32))])
+    assert sum(ids, []) == expected.token_ids
     rt.close()
 
 
@@ -136,8 +152,12 @@ def test_triton_refuses_bad_input_and_serves_its_metrics(triton):
     client.async_stream_infer("dspark", [tensor("prompt_ids", np.array([1, 2, 3], dtype=np.int64)),
                                          tensor("max_tokens", np.array([100], dtype=np.int32))])
     error = errors.get(timeout=60)  # fits the bundle's 256 positions, not the repository's --max-context 64
-    client.stop_stream()
     assert error is not None and "context of 64 positions" in str(error)
+    client.async_stream_infer("dspark", [tensor("prompt_ids", np.array([1, 2, 3], dtype=np.int64)),
+                                         tensor("top_p", np.array([1.5], dtype=np.float32))])
+    error = errors.get(timeout=60)
+    assert error is not None and "top_p must be" in str(error)
+    client.stop_stream()
     assert "nv_inference_request_success" in httpx.get(triton["metrics"], timeout=10).text
 
 

@@ -38,3 +38,43 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], expected: dict[tuple[int, 
         exp.append(pool_e)
     exp = np.asarray(exp) * (n / np.sum(exp))
     return float(chisquare(np.asarray(obs, dtype=float), exp).pvalue)
+
+
+def processed(logits: np.ndarray, prompt: list[int], emitted: tuple[int, ...], params, temperature: float) -> np.ndarray:
+    """The distribution a request with SamplingParams `params` samples from after `emitted`, written out with a
+    sort (the graphs bisect a threshold instead): bias, penalties, temperature, min_p, top_k, top_p."""
+    x = np.asarray(logits, dtype=np.float64).copy()
+    v = x.shape[-1]
+    for token, bias in params.logit_bias.items():
+        x[token] += bias
+    counts = np.bincount(np.asarray(emitted, dtype=np.int64), minlength=v).astype(np.float64)
+    seen = counts > 0
+    seen[np.asarray(prompt)] = True
+    rep = params.repetition_penalty
+    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    x = x - params.presence_penalty * (counts > 0) - params.frequency_penalty * counts
+    p = np.exp((x - x.max()) / temperature)
+    p /= p.sum()
+    p[p < params.min_p * p.max()] = 0.0
+    if params.top_k:
+        kth = np.sort(p)[::-1][min(params.top_k, v) - 1]
+        p[p < kth] = 0.0
+    if params.top_p < 1.0:
+        s = np.sort(p)[::-1]
+        m = int(np.searchsorted(np.cumsum(s), params.top_p * s.sum()))  # first index whose mass reaches top_p
+        p[p < s[min(m, v - 1)]] = 0.0
+    return p / p.sum()
+
+
+@torch.no_grad()
+def exact_joint_processed(hf_model, prompt: list[int], depth: int, vocab: int, params, temperature: float = 1.0
+                          ) -> dict[tuple[int, ...], float]:
+    """exact_joint for autoregressive sampling from the processed distribution (`processed`) at every step."""
+    joint = {(): 1.0}
+    for _ in range(depth):
+        prefixes = list(joint)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        logits = hf_model(ids).logits[:, -1].double().numpy()
+        joint = {p + (v,): joint[p] * float(q[v]) for i, p in enumerate(prefixes)
+                 for q in [processed(logits[i], prompt, p, params, temperature)] for v in range(vocab) if q[v] > 0}
+    return joint

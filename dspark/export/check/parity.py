@@ -27,7 +27,7 @@ from dspark.bundle import Manifest, check_reference
 from dspark.errors import DSparkError
 from dspark.files import read_json
 from dspark.export.check.trt_lint import lint_bundle
-from dspark.export.graphs import DraftGraph, HeadsGraph, VerifierGraph
+from dspark.export.graphs import SAMPLER_INPUTS, SAMPLER_OUTPUTS, DraftGraph, HeadsGraph, SamplerGraph, VerifierGraph
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import SAMPLING_OUTPUTS
@@ -41,8 +41,9 @@ CAPTURE = {"verifier": 2, "draft": 1, "heads": 1}  # first prefill + first verif
 
 # Per-output tolerances (rtol, atol); integer and boolean outputs must match exactly.
 TOLERANCES = {
-    "taps": (1e-3, 2e-3), "new_kv": (1e-3, 1e-3), "hidden": (1e-3, 1e-3), "new_draft_kv": (1e-3, 1e-3),
-    "draft_probs": (1e-3, 1e-5), "survival": (1e-4, 1e-5), "conf_logits": (1e-3, 1e-4),
+    "taps": (1e-3, 2e-3), "logits": (1e-3, 2e-3), "new_kv": (1e-3, 1e-3), "hidden": (1e-3, 1e-3),
+    "new_draft_kv": (1e-3, 1e-3),
+    "draft_probs": (1e-3, 1e-5), "probs": (1e-3, 1e-5), "survival": (1e-4, 1e-5), "conf_logits": (1e-3, 1e-4),
 }
 
 
@@ -81,13 +82,42 @@ def record_check_data(pair, bundle: Path, max_tokens: int = CHECK_TOKENS, into: 
             with torch.no_grad():
                 outs = modules[name](*args) if name == "heads" else modules[name](*args, past)
             np.savez(out_dir / f"{name}_{i}_inputs.npz", **{k: np.array(v) for k, v in feeds.items()})
-            np.savez(out_dir / f"{name}_{i}_reference.npz",
-                     **{o.name: v.numpy() for o, v in zip(specs.outputs, outs)})
+            reference = {o.name: v.numpy() for o, v in zip(specs.outputs, outs)}
+            np.savez(out_dir / f"{name}_{i}_reference.npz", **reference)
+            if name == "verifier" and "sampler" in specs_of and "logits" in reference:
+                sampled = sampler_feeds(feeds, reference["logits"], i)
+                with torch.no_grad():
+                    outs = SamplerGraph()(*(torch.from_numpy(sampled[n]) for n in SAMPLER_INPUTS))
+                np.savez(out_dir / f"sampler_{i}_inputs.npz", **sampled)
+                np.savez(out_dir / f"sampler_{i}_reference.npz",
+                         **{n: v.numpy() for n, v in zip(SAMPLER_OUTPUTS, outs)})
     ds = generate_dspark(pair.target, pair.drafter, [prompt_ids], max_tokens, stop_ids=stop)[0]
     ar = generate_ar(pair.target, [prompt_ids], max_tokens, stop_ids=stop)[0]
     (out_dir / "expected.json").write_text(json.dumps(
         {"prompt": CHECK_PROMPT, "prompt_ids": prompt_ids, "max_new_tokens": max_tokens,
          "reference_dspark": ds.token_ids, "reference_ar": ar.token_ids}) + "\n")
+
+
+def sampler_feeds(verifier_feeds: dict, logits: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+    """Inputs of the sampler graph on a recorded verifier call's logits, with every sampling parameter set (and
+    tokens emitted before, for the penalties): what `dspark-export check` runs the sampler on."""
+    rng = np.random.default_rng(seed)
+    b, rows, v = logits.shape
+    tokens, index = np.asarray(verifier_feeds["tokens"]), np.asarray(verifier_feeds["logit_index"])
+    counts = np.zeros((b, v), np.float32)
+    np.add.at(counts, (np.repeat(np.arange(b), tokens.shape[1]), tokens.reshape(-1)), 1.0)
+    bias = np.zeros((b, v), np.float32)
+    bias[:, rng.integers(0, v, size=4)] = rng.uniform(-3.0, 3.0, size=4).astype(np.float32)
+    return {"logits": logits.astype(np.float32),
+            "draft_next": np.take_along_axis(tokens, np.minimum(index + 1, tokens.shape[1] - 1), axis=1),
+            "verify_len": np.asarray(verifier_feeds["verify_len"]), "temperature": np.full(b, 0.8, np.float32),
+            "accept_noise": rng.uniform(1e-6, 1.0, (b, rows)).astype(np.float32),
+            "sample_noise": rng.uniform(1e-6, 1.0, b).astype(np.float32),
+            "draft_probs": np.asarray(verifier_feeds["draft_probs"], np.float32), "counts": counts,
+            "prompt_seen": (counts > 0).astype(np.float32), "logit_bias": bias,
+            "repetition_penalty": np.full(b, 1.2, np.float32), "presence_penalty": np.full(b, 0.3, np.float32),
+            "frequency_penalty": np.full(b, 0.2, np.float32), "top_k": np.full(b, min(40, max(2, v // 3)), np.int64),
+            "top_p": np.full(b, 0.9, np.float32), "min_p": np.full(b, 0.02, np.float32)}
 
 
 def _recording(run, sink: list, limit: int):
@@ -175,14 +205,21 @@ def _graph_runs(backend) -> list[tuple[str, str, object]]:
     for name in CAPTURE:
         graph = getattr(backend, name)
         if isinstance(graph, FusedVerifier):
-            runs += [(name, name, graph.portable.run), (name, "verifier_fused", graph.run_gathered)]
+            runs += [(name, name, _every_output(graph.portable)), (name, "verifier_fused", graph.run_gathered)]
         else:
-            runs.append((name, name, graph.run))
+            runs.append((name, name, _every_output(graph)))
+    if backend.sampler is not None:  # on sampler inputs made from the recorded verifier calls' logits
+        runs.append(("sampler", "sampler", _every_output(backend.sampler)))
     if backend.heads_greedy is not None:  # on the recorded (greedy) heads calls, less what it does not take
         takes = set(backend.heads_greedy.inputs)
         runs.append(("heads", "heads_greedy", lambda feeds: backend.heads_greedy.run(
             {k: v for k, v in feeds.items() if k in takes})))
     return runs
+
+
+def _every_output(graph):
+    """The graph's run, with the outputs given only on demand too (the verifier's logits)."""
+    return lambda feeds: graph.run(feeds, fetch=list(graph.outputs))
 
 
 def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto", acceptance: bool = False
@@ -199,7 +236,7 @@ def check_bundle(bundle: Path, trt_lint: bool = False, weights: str = "auto", ac
     rt = Runtime(bundle, weights=weights)
     rows: list[CheckRow] = []
     for name, label, run in _graph_runs(rt.backend):
-        for i in range(CAPTURE[name]):
+        for i in range(CAPTURE.get(name, CAPTURE["verifier"])):
             inputs, ref = check_dir / f"{name}_{i}_inputs.npz", check_dir / f"{name}_{i}_reference.npz"
             if not inputs.exists():
                 continue

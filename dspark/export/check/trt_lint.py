@@ -111,7 +111,8 @@ def lint_model(model: onnx.ModelProto, graph_name: str) -> list[LintFinding]:
 def lint_bundle(bundle: Path, manifest: Manifest | None = None) -> list[LintFinding]:
     manifest = manifest or Manifest.read_checked(bundle)
     out = []
-    for name in GRAPHS:  # the portable graphs (their ONNX Runtime twins are its own)
+    # the portable graphs (their ONNX Runtime twins are its own), and the sampler where the bundle has one
+    for name in (*GRAPHS, *(["sampler"] if "sampler" in manifest.graphs else [])):
         spec = manifest.graphs[name]
         model = read_onnx(Manifest.path(bundle, spec.file), f"{spec.file} ({name} graph)")
         out += lint_model(model, name)

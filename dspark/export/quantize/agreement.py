@@ -58,7 +58,8 @@ class LogitsGraph:
         graph = model.graph
         value = next(v for node in graph for v in node.outputs if v.name == logits)
         value.type = ir.TensorType(ir.DataType.FLOAT)
-        graph.outputs.append(value)
+        if value not in graph.outputs:  # (a verifier since the sampler gives its logits itself)
+            graph.outputs.append(value)
         options = session_options(threads, weights)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         proto = ir.to_proto(model).SerializeToString()

@@ -17,9 +17,10 @@ from dspark import __version__
 from dspark.bundle import GraphSpec, Manifest, TensorSpec, is_bundle, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.check.parity import record_check_data
-from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, VERIFIER_INPUTS,
-                                  VERIFIER_OUTPUTS, DraftGraph, HeadsGraph, VerifierGraph, past_names,
-                                  target_kv_groups, verifier_outputs)
+from dspark.export.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, HEADS_INPUTS, HEADS_OUTPUTS, SAMPLER_INPUTS,
+                                  SAMPLER_OUTPUTS, VERIFIER_INPUTS, VERIFIER_OUTPUTS, DraftGraph, HeadsGraph,
+                                  SamplerGraph, VerifierGraph, past_names, sampler_example_args, target_kv_groups,
+                                  verifier_outputs)
 from dspark.export.stamp import LayerStack, inline_layers, layer_function, stamped
 from dspark.export.trace.naming import name_nodes
 from dspark.export.trace.passes import optimize_graph
@@ -167,6 +168,11 @@ def heads_example(pair: Pair) -> GraphExample:
     return GraphExample(HeadsGraph(pair.drafter), args, HEADS_INPUTS, HEADS_OUTPUTS, dims)
 
 
+def sampler_example(pair: Pair) -> GraphExample:
+    args, dims = sampler_example_args(pair.target.cfg.vocab_size)
+    return GraphExample(SamplerGraph(), args, SAMPLER_INPUTS, SAMPLER_OUTPUTS, dims)
+
+
 def _spec_of(value, name: str, axes: dict[int, str]) -> TensorSpec:
     shape = [axes.get(i, int(s)) for i, s in enumerate(value.shape)]
     return TensorSpec(name=name, dtype=str(np.dtype(str(value.dtype).replace("torch.", ""))), shape=shape)
@@ -221,10 +227,11 @@ def export_graph(ex: GraphExample, path: Path, store: WeightStore | None = None,
 def _output_axes(ex: GraphExample) -> dict[str, dict[int, str]]:
     if isinstance(ex.module, VerifierGraph):
         kv = {name: {2: "batch", 4: "seq"} for name in ex.outputs if name.startswith("new_kv")}
-        return {"accepted": {0: "batch"}, "next_token": {0: "batch"}, "taps": {0: "batch", 1: "seq"}, **kv}
+        return {"accepted": {0: "batch"}, "next_token": {0: "batch"}, "taps": {0: "batch", 1: "seq"},
+                "logits": {0: "batch", 1: "rows"}, **kv}
     if isinstance(ex.module, DraftGraph):
         return {"hidden": {0: "batch"}, "new_draft_kv": {2: "batch", 4: "ctx"}}
-    return {n: {0: "batch"} for n in ex.outputs}
+    return {n: {0: "batch", 1: "rows"} if n == "probs" else {0: "batch"} for n in ex.outputs}  # heads, sampler
 
 
 def _tool_versions() -> dict[str, str]:
@@ -306,7 +313,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         raise DSparkError(f"unknown precision {precision!r} (choose from auto, {', '.join(PRECISIONS)})")
     output = Path(output)
     check_replaceable(output, force)
-    progress = progress or Progress(6 if check_data else 5, quiet)
+    progress = progress or Progress(7 if check_data else 6, quiet)
     staging = Temporary(output)
     tmp = staging.path
     sources = Background(lambda: pair_sources(pair))
@@ -320,7 +327,7 @@ def export_bundle(pair: Pair, output: Path, max_context: int = 2048, force: bool
         specs = {}
         with WeightStore(tmp) as store:
             for name, example in (("verifier", verifier_example), ("draft", draft_example),
-                                  ("heads", heads_example)):
+                                  ("heads", heads_example), ("sampler", sampler_example)):
                 with progress.step(f"exporting {name}.onnx"):
                     specs[name] = export_graph(example(pair), tmp / f"{name}.onnx", store,
                                                getattr(pair.loaded, "lazy", None), precision)

@@ -126,7 +126,9 @@ def cast_matmuls(model: ir.Model, dtype: str) -> int:
         for user, idx in list(out.uses()):
             if user is not cast_out:
                 user.replace_input_with(idx, cast_out.outputs[0])
-        if out in graph.outputs:
+        if out in graph.outputs:  # (the verifier's logits) the fp32 product keeps the output's name
+            name, out.name = out.name, f"{out.name}.{dtype}"
+            cast_out.outputs[0].name = name
             graph.outputs[graph.outputs.index(out)] = cast_out.outputs[0]
         if weight is not None:
             del graph.initializers[weight.name]

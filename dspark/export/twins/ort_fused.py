@@ -42,7 +42,7 @@ from dspark.files import normal_mode
 
 MS = "com.microsoft"
 SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
-TAIL_OUTPUTS = ("accepted", "next_token")
+TAIL_OUTPUTS = ("accepted", "next_token", "logits")  # computed after the final norm (an older bundle: no logits)
 LANES = 8  # requests a fused step takes at once (more run in groups of LANES)
 
 
@@ -166,6 +166,9 @@ class _FusedVerifier:
         self.norm_out, self.norm_gamma, norm_div = _final_norm(self.g, self.linears, target["hidden_size"])
         self.eps = _eps(self.g, norm_div)
         self.qk_norm = target.get("family") == "qwen3"
+        # the portable verifier's outputs but its new K/V, in its order
+        self.heads = [v.name for v in model.graph.outputs if v.name in (*TAIL_OUTPUTS, "taps")]
+        self.tail = [name for name in self.heads if name != "taps"]
         self.b = GraphBuilder(self.g)
         self.lane_past, self.lane_present = lane_specs(lanes, self.layers, self.kv_heads, self.hd)
         for name, shape in self.lane_past:
@@ -195,8 +198,9 @@ class _FusedVerifier:
         with b.scope("norm"):
             hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4,
                            MS, epsilon=self.eps)[0]
-        for o in TAIL_OUTPUTS:
-            tail = b.copy(g.values[o], {self.norm_out: hidden}, "tail")
+        after_norm = {self.norm_out: hidden}  # one copy of the LM head for every tail output
+        for o in self.tail:
+            tail = b.copy(g.values[o], after_norm, "tail")
             with b.scope("outputs"):
                 b.add("Identity", [tail], names=[o])
         tap_values = [taps[t] for t in tap_ids]
@@ -209,7 +213,7 @@ class _FusedVerifier:
         """The new graph: the portable verifier's inputs and lanes 1..'s caches; accepted, next_token, taps as the
         portable verifier has them, then every cache's present.*."""
         b, old = self.b, self.model
-        outputs = [described(b.named[name], self.g.values[name]) for name in (*TAIL_OUTPUTS, "taps")]
+        outputs = [described(b.named[name], self.g.values[name]) for name in self.heads]
         presents = [(f"present.{i}.{kind}", ["batch", self.kv_heads, "present", self.hd])
                     for i in range(self.layers) for kind in ("key", "value")]
         for name, shape in presents + self.lane_present:

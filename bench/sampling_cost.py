@@ -1,0 +1,78 @@
+"""What each sampling parameter costs a decode on a bundle (the demo's by default): ms per round, tau and tokens/s
+of DSpark (policy all) and of its AR, per parameter set, sampled at one temperature and greedy, in one run.
+
+A request that sets top_k, top_p, min_p, a penalty or logit_bias takes its acceptance from the sampler graph on the
+verifier's logits (dspark.runtime.sampling): an extra graph call and a copy of the logits per round, and drafts
+proposed from the drafter's own distribution, so processing that moves mass costs accepted drafts. Parameter sets
+take turns prompt by prompt (a shared VM's drift hits all alike); medians over prompts.
+
+  python bench/sampling_cost.py [--bundle BUNDLE] [--prompts 4] [--max-tokens 64] [--temperature 0.7]
+  (the results of the last run: bench/results/sampling_cost.json)
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from common import dev_rows, machine, write_json
+from dspark.demo import demo_bundle_path
+from dspark.runtime import DecodeOptions, Runtime
+from dspark.runtime.sampling import SamplingParams
+
+SETS = {
+    "none": SamplingParams(),
+    "top_k=40": SamplingParams(top_k=40),
+    "top_p=0.9": SamplingParams(top_p=0.9),
+    "min_p=0.05": SamplingParams(min_p=0.05),
+    "repetition_penalty=1.1": SamplingParams(repetition_penalty=1.1),
+    "presence_penalty=0.5": SamplingParams(presence_penalty=0.5),
+    "frequency_penalty=0.5": SamplingParams(frequency_penalty=0.5),
+    "logit_bias(8 tokens)": SamplingParams(logit_bias={t: -5.0 for t in range(100, 108)}),
+    "chat-ui (top_p .95, top_k 40, rep 1.1)": SamplingParams(top_k=40, top_p=0.95, repetition_penalty=1.1),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", help="default: the demo bundle (`dspark demo` makes it)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--out", default="bench/results/sampling_cost.json")
+    args = ap.parse_args()
+    bundle = args.bundle or demo_bundle_path("gguf")
+    rt = Runtime(bundle)
+    prompts = [rt.encode(r["prompt"]) for r in dev_rows(None, per_domain=1, limit=args.prompts)]
+    runs: dict[tuple[str, str, float], list] = {}
+    for i, ids in enumerate(prompts):
+        for temperature in (args.temperature, 0.0):
+            for name, params in SETS.items():
+                for policy in ("all", "ar"):
+                    options = DecodeOptions(max_tokens=args.max_tokens, temperature=temperature, seed=i,
+                                            policy=policy, sampling=params)
+                    res = rt.generate([ids], options)[0]
+                    runs.setdefault((name, policy, temperature), []).append(res)
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    rows = []
+    for (name, policy, temperature), results in runs.items():
+        ms = [1000 * r.seconds / max(r.rounds, 1) for r in results]
+        rows.append({"params": name, "policy": policy, "temperature": temperature,
+                     "ms_per_round": round(float(np.median(ms)), 2),
+                     "tau": round(float(np.median([r.tau for r in results])), 3),
+                     "tokens_per_s": round(float(np.median([r.tokens_per_s for r in results])), 2),
+                     "tokens": int(sum(len(r.token_ids) for r in results))})
+    for temperature in (args.temperature, 0.0):
+        print(f"\ntemperature {temperature}")
+        print(f"{'parameters':<40} {'DSpark ms/round':>15} {'tau':>6} {'tok/s':>7} {'AR ms/step':>11} {'tok/s':>7}")
+        for name in SETS:
+            ds, ar = (next(r for r in rows if r["params"] == name and r["policy"] == p
+                           and r["temperature"] == temperature) for p in ("all", "ar"))
+            print(f"{name:<40} {ds['ms_per_round']:>15} {ds['tau']:>6} {ds['tokens_per_s']:>7} "
+                  f"{ar['ms_per_round']:>11} {ar['tokens_per_s']:>7}")
+    write_json(args.out, {"bundle": str(bundle), "prompts": len(prompts), "max_tokens": args.max_tokens,
+                          "machine": machine(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
