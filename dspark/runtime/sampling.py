@@ -58,8 +58,11 @@ class SamplingParams:
         return self == NEUTRAL
 
     @property
-    def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+    def moves_argmax(self) -> bool:
+        """Whether a greedy request decodes differently: logit_bias and the penalties can; min_p, top_k and top_p
+        always keep the most likely token, so greedy decoding ignores them."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0
 
     def check_vocab(self, vocab: int) -> None:
         """logit_bias keys must be token ids of this vocabulary."""
@@ -99,9 +102,9 @@ class SamplingRows:
         self._rows = ("on", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "counts",
                       "prompt_seen", "bias")
 
-    def open(self, slot: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def open(self, slot: int, params: SamplingParams, prompt_ids: list[int], greedy: bool) -> None:
         params.check_vocab(self.vocab)
-        self.on[slot] = not params.neutral
+        self.on[slot] = params.moves_argmax if greedy else not params.neutral  # else: the verifier's own rule
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = params.top_k, params.top_p, params.min_p
         self.repetition[slot] = params.repetition_penalty
         self.presence[slot], self.frequency[slot] = params.presence_penalty, params.frequency_penalty

@@ -217,7 +217,7 @@ class Slots:
         self.slots[slot] = Slot(request, (PlainStepNoise if request.ar else RequestNoise)(request.seed,
                                                                                           request.stream))
         self.temperature[slot], self.ar[slot], self.occupied[slot] = request.temperature, request.ar, True
-        self.sampling.open(slot, request.sampling, request.prompt_ids)
+        self.sampling.open(slot, request.sampling, request.prompt_ids, request.temperature < GREEDY_EPS)
         self.kv.commit(slot, 0)
         self.draft_kv.commit(slot, 0)
         self.ctx.count[slot] = 0

@@ -16,7 +16,9 @@ from dspark.models.target import load_target, wrap_target
 from support.gemma4 import GEMMA4_12B_IT, F, S, param_count, tiny_gemma4, tiny_gemma4_text
 from support.tiny import tiny_tokenizer_folder
 
-TOL = 1e-5
+# fp32 against transformers' own Gemma-4: the two sum in different orders, a few ulp apart on logits of size ~3
+# (1.1e-5 on one machine)
+TOL = 5e-5
 
 
 def test_reads_the_12b_config():

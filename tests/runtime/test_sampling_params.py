@@ -138,6 +138,20 @@ def test_greedy_with_penalties_equals_autoregressive_and_a_request_ignores_its_n
         engine.close(grace=0)
 
 
+def test_greedy_requests_with_only_min_p_top_k_top_p_skip_the_sampler(rt, monkeypatch):
+    """Those keep the most likely token: greedy decoding is unchanged, and no round pays for the sampler."""
+    calls = []
+    run = rt.backend.sampler.run
+    monkeypatch.setattr(rt.backend.sampler, "run", lambda feeds, **kw: calls.append(1) or run(feeds, **kw))
+    prompts = [[1, 4, 2, 0], [2, 2, 1]]
+    plain = rt.generate(prompts, DecodeOptions(max_tokens=10))
+    filtered = rt.generate(prompts, DecodeOptions(max_tokens=10, sampling=SamplingParams(top_k=2, top_p=0.5,
+                                                                                         min_p=0.3)))
+    assert [r.token_ids for r in filtered] == [r.token_ids for r in plain] and not calls
+    rt.generate(prompts, DecodeOptions(max_tokens=10, sampling=SamplingParams(top_k=2, logit_bias={1: 0.5})))
+    assert calls  # a bias can move the argmax: those rounds take the sampler
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("top_p", 0.0, "top_p must be a number above 0"), ("top_p", 1.5, "at most 1"), ("top_k", -1, "top_k must"),
     ("min_p", 1.2, "min_p must"), ("presence_penalty", 2.5, "presence_penalty must"),
