@@ -143,7 +143,6 @@ class SamplingRows:
                 **{name: host(verifier_feeds[name])[rows] for name in STEP_INPUTS}, **self.feeds(slots)}
 
 
-
 STEP_INPUTS = ("verify_len", "temperature", "accept_noise", "sample_noise", "draft_probs")  # the verifier's, again
 
 
