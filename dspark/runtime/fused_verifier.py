@@ -71,22 +71,22 @@ class FusedVerifier:
         """Every step gives accepted, next_token, taps and new_kv; `fetch` may add outputs given only on demand (the
         logits)."""
         batch, positions = feeds["tokens"].shape
-        heads = (*STEP_OUTPUTS, *(name for name in fetch or () if name in ON_DEMAND))
+        wanted = (*STEP_OUTPUTS, *(name for name in fetch or () if name in ON_DEMAND))
         if self.lanes > 1:
             if batch > self.lanes:
-                return self._in_groups(feeds, batch, self.lanes, heads)
-            return self._lanes_step(feeds, batch, heads)
+                return self._in_groups(feeds, batch, self.lanes, wanted)
+            return self._lanes_step(feeds, batch, wanted)
         if self.alone and batch > 1:
-            return self._in_groups(feeds, batch, 1, heads)
+            return self._in_groups(feeds, batch, 1, wanted)
         if not np.any(feeds["past_mask"]):
             self.steps["prefill"] += 1
-            return self._prefill(feeds, feeds[self.caches[0][0]], batch, heads)
+            return self._prefill(feeds, feeds[self.caches[0][0]], batch, wanted)
         if (batch == 1 or positions == 1) and all(_writable(feeds[past]) for past, _ in self.caches):
             self.steps["fused"] += 1
-            out = self.fused.run(feeds, {present: feeds[past] for past, present in self.caches}, list(heads))
-            return {**{name: out[name] for name in heads}, "new_kv": IN_CACHE}
+            out = self.fused.run(feeds, {present: feeds[past] for past, present in self.caches}, list(wanted))
+            return {**{name: out[name] for name in wanted}, "new_kv": IN_CACHE}
         self.steps["portable"] += 1
-        return self.portable.run(feeds, fetch=[*heads, "new_kv"])
+        return self.portable.run(feeds, fetch=[*wanted, "new_kv"])
 
     def run_gathered(self, feeds: dict) -> dict:
         """run(), with the new K/V also returned as an array where they went into the cache, and every output the
@@ -104,7 +104,7 @@ class FusedVerifier:
                for past, _ in self.caches]
         return _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))
 
-    def _lanes_step(self, feeds: dict, batch: int, heads: tuple[str, ...]) -> dict:
+    def _lanes_step(self, feeds: dict, batch: int, wanted: tuple[str, ...]) -> dict:
         """A step of up to `lanes` requests: request b's cache is bound to lane b, in place when it can be."""
         prefill = not np.any(feeds["past_mask"])
         if prefill:
@@ -115,7 +115,7 @@ class FusedVerifier:
             caches = {past: np.array(a, dtype=np.float32, order="C") for past, a in caches.items()}
         shape = caches[self.caches[0][0]].shape
         empty = np.zeros((1, shape[1], 0, shape[3]), dtype=np.float32)  # a prefill's past
-        lane_feeds, into, fetch = dict(feeds), {}, list(heads)
+        lane_feeds, into, fetch = dict(feeds), {}, list(wanted)
         for past, present in self.caches:
             for lane in range(batch):
                 if prefill:
@@ -125,7 +125,7 @@ class FusedVerifier:
                     lane_feeds[lane_name(lane, past)] = into[lane_name(lane, present)] = caches[past][lane:lane + 1]
         out = self.fused.run(lane_feeds, into, fetch, self._idle_lanes(batch, shape))
         self.steps["prefill" if prefill else "fused"] += 1
-        result = {name: out[name] for name in heads}
+        result = {name: out[name] for name in wanted}
         if not prefill:
             return {**result, "new_kv": IN_CACHE if in_place else self._written(feeds, caches)}
         positions = feeds["tokens"].shape[1]  # present.* hold the lane's padding row last
@@ -143,23 +143,23 @@ class FusedVerifier:
                                                           for lane in range(batch, self.lanes)}))
         return self._idle[key][1]
 
-    def _in_groups(self, feeds: dict, batch: int, size: int, heads: tuple[str, ...]) -> dict:
-        outs = [self.run({name: value[b:b + size] for name, value in feeds.items()}, list(heads))
+    def _in_groups(self, feeds: dict, batch: int, size: int, wanted: tuple[str, ...]) -> dict:
+        outs = [self.run({name: value[b:b + size] for name, value in feeds.items()}, list(wanted))
                 for b in range(0, batch, size)]
-        merged = {name: _HostArray(np.concatenate([o[name].numpy() for o in outs])) for name in heads}
+        merged = {name: _HostArray(np.concatenate([o[name].numpy() for o in outs])) for name in wanted}
         if all(o["new_kv"] is IN_CACHE for o in outs):
             return {**merged, "new_kv": IN_CACHE}
         new_kv = np.concatenate([o["new_kv"].numpy() for o in outs], axis=2)  # [L, 2, B, Hkv, positions, hd]
         return {**merged, "new_kv": _HostArray(new_kv)}
 
-    def _prefill(self, feeds: dict, past: np.ndarray, batch: int, heads: tuple[str, ...]) -> dict:
+    def _prefill(self, feeds: dict, past: np.ndarray, batch: int, wanted: tuple[str, ...]) -> dict:
         empty = np.zeros((batch, past.shape[1], 0, past.shape[3]), dtype=np.float32)
         feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64), **{p: empty for p, _ in self.caches}}
-        out = self.fused.run(feeds, fetch=[*heads, *(present for _, present in self.caches)])
+        out = self.fused.run(feeds, fetch=[*wanted, *(present for _, present in self.caches)])
         positions = feeds["tokens"].shape[1]  # present.* also hold the padding row of a batch-1 prefill (ort_fused)
         new = np.stack([out[present].numpy()[:, :, :positions] for _, present in self.caches])
         new_kv = new.reshape(self.layers, 2, *new.shape[1:])
-        return {**{name: out[name] for name in heads}, "new_kv": _HostArray(new_kv)}
+        return {**{name: out[name] for name in wanted}, "new_kv": _HostArray(new_kv)}
 
 
 class _HostArray:

@@ -181,10 +181,9 @@ class OrtBackend(Backend):
             self.verifier = portable()
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         # the sampler reads the logits of whichever verifier graph takes the step (a bundle before it: no logits)
-        verifiers = [n for n in ("verifier", "verifier_fused") if n in manifest.graphs and verifier != "portable"
-                     or n == "verifier"]
-        if "sampler" in manifest.graphs and all("logits" in [o.name for o in manifest.graphs[n].outputs]
-                                                for n in verifiers):
+        steps = ["verifier", "verifier_fused"] if isinstance(self.verifier, FusedVerifier) else ["verifier"]
+        if "sampler" in manifest.graphs and all(any(o.name == "logits" for o in manifest.graphs[n].outputs)
+                                                for n in steps):
             self.sampler = OrtGraph(folder, "sampler", manifest.graphs["sampler"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
         if "heads_greedy" in manifest.graphs:

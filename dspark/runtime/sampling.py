@@ -7,14 +7,13 @@ distributed exactly as autoregressive sampling from that distribution. Drafts ar
 distribution (temperature only): exact whatever the proposal, fewer accepted where processing moves mass."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dspark.errors import DSparkError
 from dspark.runtime.backend import host
-from dspark.schema import is_int
+from dspark.schema import check_number, is_int
 
 BIAS_LIMIT = 100.0  # OpenAI's logit_bias range
 PENALTY_LIMIT = 2.0  # OpenAI's presence / frequency penalty range
@@ -72,9 +71,8 @@ class SamplingParams:
 
 
 def _number(name: str, value, lo: float, hi: float, open_low: bool = False) -> None:
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) \
-        and math.isfinite(value) and (value > lo if open_low else value >= lo) and value <= hi
-    if not ok:
+    value = check_number(value, name)  # a finite real number
+    if not ((value > lo if open_low else value >= lo) and value <= hi):
         low = f"above {lo:g}" if open_low else f"at least {lo:g}"
         raise DSparkError(f"{name} must be a number {low} and at most {hi:g}, not {value!r}")
 
@@ -99,12 +97,15 @@ class SamplingRows:
         self.counts = np.zeros((batch, vocab), dtype=np.float32)
         self.prompt_seen = np.zeros((batch, vocab), dtype=np.float32)
         self.bias = np.zeros((batch, vocab), dtype=np.float32)
-        self._rows = ("on", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "counts",
+        self._rows = ("top_k", "top_p", "min_p", "repetition", "presence", "frequency", "counts",
                       "prompt_seen", "bias")
 
     def open(self, slot: int, params: SamplingParams, prompt_ids: list[int], greedy: bool) -> None:
-        params.check_vocab(self.vocab)
+        """A request (its parameters checked by check_sampling) takes the slot; a slot that is off keeps stale rows,
+        which nothing reads."""
         self.on[slot] = params.moves_argmax if greedy else not params.neutral  # else: the verifier's own rule
+        if not self.on[slot]:
+            return
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = params.top_k, params.top_p, params.min_p
         self.repetition[slot] = params.repetition_penalty
         self.presence[slot], self.frequency[slot] = params.presence_penalty, params.frequency_penalty
@@ -122,10 +123,11 @@ class SamplingRows:
             np.add.at(self.counts[slot], np.asarray(tokens, dtype=np.int64), 1.0)
 
     def move(self, src: int, dst: int) -> None:
-        for name in self._rows:
-            array = getattr(self, name)
-            array[dst] = array[src]
-        self.on[src] = False
+        self.on[dst], self.on[src] = self.on[src], False
+        if self.on[dst]:
+            for name in self._rows:
+                array = getattr(self, name)
+                array[dst] = array[src]
 
     def feeds(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The sampler's per-request inputs for these slots (in this order)."""
@@ -137,10 +139,15 @@ class SamplingRows:
     def sampler_feeds(self, logits, verifier_feeds: dict, rows: np.ndarray, slots: np.ndarray) -> dict:
         """The sampler's inputs for these rows of a verifier step (slots: the rows' slots): its logits, the draft
         each row judges, the step's acceptance inputs and the slots' parameters, as host arrays."""
-        tokens, index = verifier_feeds["tokens"], verifier_feeds["logit_index"]
-        draft_next = np.take_along_axis(tokens, np.minimum(index + 1, tokens.shape[1] - 1), axis=1)
+        draft_next = judged_tokens(verifier_feeds["tokens"], verifier_feeds["logit_index"])
         return {"logits": host(logits)[rows], "draft_next": draft_next[rows],
                 **{name: host(verifier_feeds[name])[rows] for name in STEP_INPUTS}, **self.feeds(slots)}
+
+
+def judged_tokens(tokens: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+    """The token each verify row judges (the sampler's draft_next): the one after the row's position, as the
+    verifier finds it in-graph (the last row: padding)."""
+    return np.take_along_axis(tokens, np.minimum(logit_index + 1, tokens.shape[1] - 1), axis=1)
 
 
 STEP_INPUTS = ("verify_len", "temperature", "accept_noise", "sample_noise", "draft_probs")  # the verifier's, again

@@ -16,14 +16,14 @@ from dspark.errors import DSparkError
 from dspark.runtime.engine import EngineClosed, QueueFull
 from dspark.runtime.engine_request import Delta, Request, RequestOptions
 from dspark.serve.limits import BodyLimit
-from dspark.serve.responses import DONE, ApiError, Shape, sse
 from dspark.runtime.sampling import SamplingParams, check_sampling
+from dspark.serve.responses import DONE, ApiError, Shape, sse
 from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
+from dspark.serve.state import ServerState
 
 SAMPLING_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias")
 NEUTRAL_BODY = SamplingFields(model="")
-from dspark.serve.state import ServerState
 
 
 def create_app(state: ServerState) -> FastAPI:

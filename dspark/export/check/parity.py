@@ -33,6 +33,7 @@ from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.backend import SAMPLING_OUTPUTS
 from dspark.runtime.fused_verifier import FusedVerifier
 from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.sampling import judged_tokens
 
 CHECK_DIR = "check"
 CHECK_PROMPT = "Natalia sold clips to 48 friends in April and half as many in May. How many clips in total?"
@@ -109,7 +110,7 @@ def sampler_feeds(verifier_feeds: dict, logits: np.ndarray, seed: int) -> dict[s
     bias = np.zeros((b, v), np.float32)
     bias[:, rng.integers(0, v, size=4)] = rng.uniform(-3.0, 3.0, size=4).astype(np.float32)
     return {"logits": logits.astype(np.float32),
-            "draft_next": np.take_along_axis(tokens, np.minimum(index + 1, tokens.shape[1] - 1), axis=1),
+            "draft_next": judged_tokens(tokens, index),
             "verify_len": np.asarray(verifier_feeds["verify_len"]), "temperature": np.full(b, 0.8, np.float32),
             "accept_noise": rng.uniform(1e-6, 1.0, (b, rows)).astype(np.float32),
             "sample_noise": rng.uniform(1e-6, 1.0, b).astype(np.float32),
