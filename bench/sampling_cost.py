@@ -1,12 +1,15 @@
-"""What each sampling parameter costs a decode on a bundle (the demo's by default): ms per round, tau and tokens/s
-of DSpark (policy all) and of its AR, per parameter set, sampled at one temperature and greedy, in one run.
+"""What each sampling parameter (and logprobs) costs a decode on a bundle (the demo's by default): ms per round, tau
+and tokens/s of DSpark (policy all) and of its AR, per parameter set, sampled at one temperature and greedy, in one
+run.
 
 A request that sets top_k, top_p, min_p, a penalty or logit_bias takes its acceptance from the sampler graph on the
 verifier's logits (dspark.runtime.sampling): an extra graph call and a copy of the logits per round, and drafts
-proposed from the drafter's own distribution, so processing that moves mass costs accepted drafts. Parameter sets
-take turns prompt by prompt (a shared VM's drift hits all alike); medians over prompts.
+proposed from the drafter's own distribution, so processing that moves mass costs accepted drafts. logprobs fetch the
+logits too, and take a log-softmax and a top-k per emitted token on the host (dspark.runtime.logprobs). Parameter
+sets take turns prompt by prompt (a shared VM's drift hits all alike); medians over prompts.
 
   python bench/sampling_cost.py [--bundle BUNDLE] [--prompts 4] [--max-tokens 64] [--temperature 0.7]
+                                [--only NAME ...]
   (the results of the last run: bench/results/sampling_cost.json)
 """
 from __future__ import annotations
@@ -20,8 +23,12 @@ from dspark.demo import demo_bundle_path
 from dspark.runtime import DecodeOptions, Runtime
 from dspark.runtime.sampling import SamplingParams
 
-SETS = {
+SETS = {  # name: parameters, or (parameters, top logprobs)
     "none": SamplingParams(),
+    "logprobs (top 0)": (SamplingParams(), 0),
+    "logprobs (top 5)": (SamplingParams(), 5),
+    "logprobs (top 20)": (SamplingParams(), 20),
+    "top_p=0.9 + logprobs (top 5)": (SamplingParams(top_p=0.9), 5),
     "top_k=40": SamplingParams(top_k=40),
     "top_p=0.9": SamplingParams(top_p=0.9),
     "min_p=0.05": SamplingParams(min_p=0.05),
@@ -39,18 +46,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--only", nargs="*", help="the parameter sets to run (default: all; `none` always runs)")
     ap.add_argument("--out", default="bench/results/sampling_cost.json")
     args = ap.parse_args()
+    sets = {name: value if isinstance(value, tuple) else (value, None) for name, value in SETS.items()
+            if not args.only or name in args.only or name == "none"}
     bundle = args.bundle or demo_bundle_path("gguf")
     rt = Runtime(bundle)
     prompts = [rt.encode(r["prompt"]) for r in dev_rows(None, per_domain=1, limit=args.prompts)]
     runs: dict[tuple[str, str, float], list] = {}
     for i, ids in enumerate(prompts):
         for temperature in (args.temperature, 0.0):
-            for name, params in SETS.items():
+            for name, (params, logprobs) in sets.items():
                 for policy in ("all", "ar"):
                     options = DecodeOptions(max_tokens=args.max_tokens, temperature=temperature, seed=i,
-                                            policy=policy, sampling=params)
+                                            policy=policy, sampling=params, logprobs=logprobs)
                     res = rt.generate([ids], options)[0]
                     runs.setdefault((name, policy, temperature), []).append(res)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
@@ -65,7 +75,7 @@ def main() -> None:
     for temperature in (args.temperature, 0.0):
         print(f"\ntemperature {temperature}")
         print(f"{'parameters':<40} {'DSpark ms/round':>15} {'tau':>6} {'tok/s':>7} {'AR ms/step':>11} {'tok/s':>7}")
-        for name in SETS:
+        for name in sets:
             ds, ar = (next(r for r in rows if r["params"] == name and r["policy"] == p
                            and r["temperature"] == temperature) for p in ("all", "ar"))
             print(f"{name:<40} {ds['ms_per_round']:>15} {ds['tau']:>6} {ds['tokens_per_s']:>7} "

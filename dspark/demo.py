@@ -71,9 +71,10 @@ def pick_prompts(rows: list[dict], count: int) -> list[dict]:
 
 def readable_bundle(bundle: Path) -> bool:
     """Whether the demo's own bundle is current; if not (made by an older dspark: another format version, or no
-    sampler graph for top_p and the other sampling parameters) it is converted again."""
+    sampler graph for top_p and the other sampling parameters, or one without their logprobs) it is converted again."""
     try:
-        return "sampler" in Manifest.read(bundle).graphs
+        sampler = Manifest.read(bundle).graphs.get("sampler")
+        return sampler is not None and any(o.name == "logprobs" for o in sampler.outputs)
     except DSparkError:
         return False
 

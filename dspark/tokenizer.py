@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jinja2 import TemplateError
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from dspark.chat_template import BoundedTemplates, render_bounded
 from dspark.errors import DSparkError
@@ -99,6 +99,32 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's logprobs report them: a byte-level BPE piece or a <0xNN>
+        byte-fallback piece may hold part of a UTF-8 character, which decoding the token alone would lose."""
+        piece = self.tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if isinstance(self.tok.decoder, decoders.ByteLevel) and all(c in BYTE_OF_CHAR for c in piece):
+            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.tok.decode([int(token_id)], skip_special_tokens=False).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for themselves, the others
+    (controls, space, 127..160, the soft hyphen) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _raise_exception(msg):

@@ -15,7 +15,8 @@ from dspark.kv_layout import KVGroup, group_layers, kv_output_names
 from dspark.models.config import TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.layer_kv import LayerKV
-from dspark.models.sampling import filtered_probs, penalised_logits, prefix_survival, token_probs, verify
+from dspark.models.sampling import (filtered_probs, penalised_logits, prefix_survival, processed_logprobs, token_probs,
+                                    verify)
 from dspark.models.target import TargetModel
 from dspark.ops.confidence_truncate.torch_op import confidence_truncate
 
@@ -30,7 +31,8 @@ HEADS_OUTPUTS = ("draft_tokens", "draft_probs", "survival", "verify_len", "verif
 SAMPLER_INPUTS = ("logits", "draft_next", "verify_len", "temperature", "accept_noise", "sample_noise", "draft_probs",
                   "counts", "prompt_seen", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
                   "top_k", "top_p", "min_p")
-SAMPLER_OUTPUTS = ("accepted", "next_token", "probs")  # probs: the processed distributions, read on demand
+# probs, logprobs: the processed distributions and the log-probabilities logprobs report, read on demand
+SAMPLER_OUTPUTS = ("accepted", "next_token", "probs", "logprobs")
 
 
 def past_names(prefix: str, layers: int) -> tuple[str, ...]:
@@ -111,7 +113,8 @@ class SamplerGraph(nn.Module):
         x = penalised_logits(logits, draft_next, counts, prompt_seen, logit_bias, repetition_penalty,
                              presence_penalty, frequency_penalty)
         probs = filtered_probs(x, temperature, top_k, top_p, min_p)
-        return (*verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise), probs)
+        return (*verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise), probs,
+                processed_logprobs(x, probs, temperature))
 
 
 def sampler_example_args(vocab: int) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, str]]]:

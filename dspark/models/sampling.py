@@ -106,6 +106,20 @@ def penalised_logits(logits: torch.Tensor, draft_next: torch.Tensor, counts: tor
     return x - presence.view(b, 1, 1) * emitted - frequency.view(b, 1, 1) * count
 
 
+def processed_logprobs(logits: torch.Tensor, probs: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities a request's logprobs report: penalised logits [B, K, V] over the tokens `probs` (the
+    filtered distribution, filtered_probs) keeps, at the request's temperature; -inf for the tokens filtered out.
+    Greedy rows (one-hot probs) report the penalised logits' own distribution at temperature 1."""
+    b = logits.shape[0]
+    t = temperature.float().view(b, 1, 1)
+    greedy = t < GREEDY_EPS
+    z = logits / torch.where(greedy, torch.ones_like(t), t)
+    kept = (probs > 0) | greedy
+    floor = torch.full_like(z, float("-inf"))
+    z = torch.where(kept, z, floor)
+    return torch.where(kept, z - torch.logsumexp(z, dim=-1, keepdim=True), floor)
+
+
 def _largest_threshold(values: torch.Tensor, enough) -> torch.Tensor:
     """The largest t in [0, max(values)] (per row of values [..., V], to THRESHOLD_STEPS bisection steps) at which
     enough(values >= t) still holds; enough must hold at 0 and be monotone. A fixed loop of comparisons and sums:

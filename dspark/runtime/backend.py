@@ -30,8 +30,8 @@ SAMPLING_INPUTS = ("temperature", "draft_noise")  # heads inputs only sampling r
 SAMPLING_OUTPUTS = ("draft_probs",)  # heads outputs only sampling needs
 STEP_OUTPUTS = ("accepted", "next_token", "taps")  # what every verifier step gives (then its new K/V)
 # outputs given only when fetched, [B, rows, V] floats: the verifier's logits (the sampler's input), the sampler's
-# processed distributions
-ON_DEMAND = ("logits", "probs")
+# processed distributions and their log-probabilities (logprobs)
+ON_DEMAND = ("logits", "probs", "logprobs")
 
 
 def available_memory() -> int | None:
@@ -145,6 +145,7 @@ class Backend(ABC):
     # again on the verifier's logits (`verifier.run(feeds, fetch=[..., "logits"])`), dspark.export.graphs.SamplerGraph;
     # None: this backend or bundle has none, and such requests are refused
     sampler: Graph | None = None
+    logits: bool = False  # whether every verifier step can give its logits (logprobs are computed from them)
 
     @abstractmethod
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

@@ -24,14 +24,16 @@ from typing import Callable
 
 
 from dspark.errors import DSparkError
+from dspark.noise import GREEDY_EPS
 from dspark.runtime.api import Runtime
 from dspark.runtime.backend import available_memory
 from dspark.runtime.engine_choice import choose
 from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
 from dspark.runtime.gate import new_gate
+from dspark.runtime.logprobs import check_logprobs
 from dspark.runtime.observers import RoundObserver, RoundRecord
 from dspark.runtime.room import max_new_tokens
-from dspark.runtime.sampling import check_sampling
+from dspark.runtime.sampling import check_sampling, runs_sampler
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
@@ -109,6 +111,8 @@ class Engine:
             raise DSparkError(f"prompt of {len(prompt_ids)} tokens + max_tokens {options.max_tokens} does not fit "
                               f"the context of {self.capacity} positions (at most {max(room, 0)} new tokens)")
         check_sampling(self.slots.sampling, options.sampling, self.runtime.backend.kind)
+        if options.logprobs is not None:
+            check_logprobs(self.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS))
         if options.policy is None:
             return self.policy.is_ar
         asked = VerifyPolicy.parse(options.policy)
@@ -212,7 +216,7 @@ class Engine:
             options = request.options
             self._decoding[request.id] = SlotRequest(request.id, request.prompt_ids, options.max_tokens,
                                                      options.temperature, options.seed, ar=request.ar,
-                                                     sampling=options.sampling)
+                                                     sampling=options.sampling, logprobs=options.logprobs)
             self.slots.add(self._decoding[request.id])
         self._deliver(self.slots.step())
         self._forget_finished()
@@ -232,6 +236,7 @@ class Engine:
                 self.observer.tokens(len(event.token_ids), (now - request.last_token_at) / len(event.token_ids))
             request.last_token_at = now
             request.token_ids += event.token_ids
+            request.logprobs += event.logprobs or []
             if result.committed and len(request.committed) < len(result.committed):
                 request.committed.append(result.committed[-1])
                 request.proposed.append(result.proposed[-1])
@@ -259,6 +264,7 @@ class Engine:
 
     @staticmethod
     def _send(request: Request, delta: Delta) -> None:
+        delta.logprobs, request.logprobs_sent = request.logprobs[request.logprobs_sent:], len(request.logprobs)
         try:
             request.sink(delta)
         except Exception:  # a listener that is gone (a closed event loop): nobody waits for this request

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from dspark.errors import DSparkError
+from dspark.runtime.logprobs import TokenLogprob, check_top_logprobs
 from dspark.runtime.options import check_seed, check_temperature, check_tokens
 from dspark.runtime.sampling import NEUTRAL, SamplingParams
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -23,7 +24,9 @@ class RequestOptions:
     same prompt, options and seed give the same tokens whatever else is in flight (`dspark run --seed`).
     stop: strings that end the request (not included in its text). policy: None = the engine's; "ar" decodes
     this request autoregressively inside a drafting batch (exact; same tokens as `dspark run --ar`).
-    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling)."""
+    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling).
+    logprobs: None, or each token's log-probability with its position's `logprobs` most likely tokens (0..20),
+    delivered with the deltas (dspark.runtime.logprobs)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -31,8 +34,10 @@ class RequestOptions:
     stop: tuple[str, ...] = ()
     policy: str | None = None
     sampling: SamplingParams = NEUTRAL
+    logprobs: int | None = None
 
     def __post_init__(self):
+        check_top_logprobs(self.logprobs)
         check_tokens("max_tokens", self.max_tokens)
         check_temperature(self.temperature)
         check_seed(self.seed)
@@ -44,12 +49,14 @@ class RequestOptions:
 @dataclass
 class Delta:
     """New text of a request (and the token ids it came from); the last delta has a finish_reason:
-    "stop" (stop token or stop string), "length" (max_tokens), "cancelled" or "error" (with `error`)."""
+    "stop" (stop token or stop string), "length" (max_tokens), "cancelled" or "error" (with `error`). logprobs: of
+    the tokens not yet reported (a delta whose text a stop string holds back reports them with a later one)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class StopText:
@@ -92,6 +99,8 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # per token, where options.logprobs asks for them
+        self.logprobs_sent = 0
         self.committed: list[int] = []  # tokens committed per round (tau)
         self.proposed: list[int] = []  # drafts verified per round (0: a round without drafts)
         self.accepted: list[int] = []  # of those, drafts accepted

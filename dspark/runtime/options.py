@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.errors import DSparkError
+from dspark.runtime.logprobs import check_top_logprobs
 from dspark.runtime.sampling import NEUTRAL, SamplingParams
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.schema import check_number, is_int
@@ -23,7 +24,9 @@ class DecodeOptions:
     threshold_rule: how a static threshold cuts the drafts: "cumulative" (default) verifies the prefix whose
         calibrated survival (the product of the per-position confidences) reaches it; "first" is DeepSpec's
         --confidence-threshold: cut at the first position whose own confidence is below it.
-    sampling: top_k, top_p, min_p, penalties and logit_bias (dspark.runtime.sampling), lossless like temperature."""
+    sampling: top_k, top_p, min_p, penalties and logit_bias (dspark.runtime.sampling), lossless like temperature.
+    logprobs: None, or each token's log-probability under the processed target distribution with its position's
+        `logprobs` most likely tokens (0..20) in RequestResult.logprobs (dspark.runtime.logprobs)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -32,6 +35,7 @@ class DecodeOptions:
     batch_size: int | None = None
     threshold_rule: str = "cumulative"
     sampling: SamplingParams = NEUTRAL
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.policy, str):
@@ -46,6 +50,7 @@ class DecodeOptions:
             _integer("batch_size", self.batch_size, 1)
         if not isinstance(self.sampling, SamplingParams):
             raise DSparkError(f"sampling must be SamplingParams, not {type(self.sampling).__name__}")
+        check_top_logprobs(self.logprobs)
         if self.threshold_rule not in THRESHOLD_RULES:
             raise DSparkError(f"threshold_rule {self.threshold_rule!r} is not one of {', '.join(THRESHOLD_RULES)}")
 

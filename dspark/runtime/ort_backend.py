@@ -182,8 +182,8 @@ class OrtBackend(Backend):
         self.draft = OrtGraph(folder, "draft", manifest.graphs["draft"], opts)
         # the sampler reads the logits of whichever verifier graph takes the step (a bundle before it: no logits)
         steps = ["verifier", "verifier_fused"] if isinstance(self.verifier, FusedVerifier) else ["verifier"]
-        if "sampler" in manifest.graphs and all(any(o.name == "logits" for o in manifest.graphs[n].outputs)
-                                                for n in steps):
+        self.logits = all(any(o.name == "logits" for o in manifest.graphs[n].outputs) for n in steps)
+        if "sampler" in manifest.graphs and self.logits:
             self.sampler = OrtGraph(folder, "sampler", manifest.graphs["sampler"], opts)
         self.heads = OrtGraph(folder, "heads", manifest.graphs["heads"], opts)
         if "heads_greedy" in manifest.graphs:

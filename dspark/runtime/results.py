@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dspark.runtime.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestResult:
@@ -20,6 +22,7 @@ class RequestResult:
     seconds: float = 0.0
     text: str = ""  # the decoded tokens (Runtime.generate fills it in)
     error: str | None = None  # why this request was refused (it alone; the batch's other requests still run)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, where the request asked for them
 
     @property
     def tau(self) -> float:
@@ -60,3 +63,4 @@ class Event:
     request: int
     token_ids: list[int]
     done: bool
+    logprobs: list[TokenLogprob] | None = None  # per token, where the request asked for them

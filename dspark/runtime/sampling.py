@@ -103,7 +103,7 @@ class SamplingRows:
     def open(self, slot: int, params: SamplingParams, prompt_ids: list[int], greedy: bool) -> None:
         """A request (its parameters checked by check_sampling) takes the slot; a slot that is off keeps stale rows,
         which nothing reads."""
-        self.on[slot] = params.moves_argmax if greedy else not params.neutral  # else: the verifier's own rule
+        self.on[slot] = runs_sampler(params, greedy)  # else: the verifier's own rule
         if not self.on[slot]:
             return
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = params.top_k, params.top_p, params.min_p
@@ -142,6 +142,12 @@ class SamplingRows:
         draft_next = judged_tokens(verifier_feeds["tokens"], verifier_feeds["logit_index"])
         return {"logits": host(logits)[rows], "draft_next": draft_next[rows],
                 **{name: host(verifier_feeds[name])[rows] for name in STEP_INPUTS}, **self.feeds(slots)}
+
+
+def runs_sampler(params: SamplingParams, greedy: bool) -> bool:
+    """Whether a request's rows are accepted by the sampler graph: a greedy request's only where its parameters can
+    move the argmax."""
+    return params.moves_argmax if greedy else not params.neutral
 
 
 def judged_tokens(tokens: np.ndarray, logit_index: np.ndarray) -> np.ndarray:

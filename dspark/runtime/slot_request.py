@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from dspark.errors import DSparkError
 from dspark.noise import RequestNoise
+from dspark.runtime.logprobs import check_top_logprobs
 from dspark.runtime.results import RequestResult
 from dspark.runtime.sampling import NEUTRAL, SamplingParams
 
@@ -14,7 +15,9 @@ class SlotRequest:
     """One request as a slot decodes it. `id` names it in Events; `seed` and `stream` key its noise (a batch
     decode numbers its requests 0..n-1 under one seed, the engine gives each its own seed and stream 0).
     ar: decode autoregressively inside a drafting batch (no drafts verified; noise drawn as a plain step).
-    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling)."""
+    sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling).
+    logprobs: None, or each token's log-probability with its position's `logprobs` most likely tokens
+    (dspark.runtime.logprobs)."""
 
     id: int
     prompt_ids: list[int]
@@ -24,11 +27,13 @@ class SlotRequest:
     stream: int = 0
     ar: bool = False
     sampling: SamplingParams = NEUTRAL
+    logprobs: int | None = None
     result: RequestResult = field(init=False)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise DSparkError("empty prompt: give at least one token")
+        self.logprobs = check_top_logprobs(self.logprobs)
         self.result = RequestResult(prompt_ids=list(self.prompt_ids))
 
 

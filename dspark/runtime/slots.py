@@ -13,8 +13,9 @@ queued request while the other slots go on. Each round mirrors dspark.models.ref
     3. verify:  verifier.onnx runs each anchor + its verified drafts against the target cache; acceptance (greedy
                 match, or lossless rejection sampling) and the next token are computed inside the graph (for
                 requests with top_k, top_p, penalties...: by sampler.onnx on its logits, dspark.runtime.sampling)
-    4. commit:  per request, the accepted drafts + next token (cut at a stop token), K/V and target features
-                kept after the valid prefix, the rest rolled back by a length change (O(1))
+    4. commit:  per request, the accepted drafts + next token (cut at a stop token; their log-probabilities where
+                asked, dspark.runtime.logprobs), K/V and target features kept after the valid prefix, the rest
+                rolled back by a length change (O(1))
 
 Noise is per request (dspark.noise), so a request's tokens do not depend on the other requests in flight.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,29 +37,14 @@ from dspark.kv_layout import kv_groups, kv_output_names
 from dspark.noise import GREEDY_EPS, PlainStepNoise, RequestNoise, stack
 from dspark.runtime.backend import STEP_OUTPUTS, Backend, host
 from dspark.runtime.gate import DraftGate
-from dspark.runtime.kv import HostKV, HostRows, LeadingKV, LeadingRows, move_kv, move_rows
+from dspark.runtime.kv import HostKV, HostRows, move_kv, move_rows
 from dspark.runtime.observers import CONFIDENCE, TAPS, PrefillRecord, RoundObserver, RoundRecord
+from dspark.runtime.logprobs import StepLogprobs, check_logprobs
 from dspark.runtime.results import Event
-from dspark.runtime.sampling import SamplingRows, check_sampling
+from dspark.runtime.rows import Rows
+from dspark.runtime.sampling import SamplingRows, check_sampling, runs_sampler
 from dspark.runtime.slot_request import Slot, SlotRequest
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
-
-
-@dataclass
-class Rows:
-    """The leading n slots as one round's graphs read them: views of the caches and per-slot arrays (no copy)."""
-
-    n: int
-    kv: object
-    draft_kv: object
-    ctx: object
-    temperature: np.ndarray
-    anchor: np.ndarray
-    ar: np.ndarray
-    occupied: np.ndarray
-    no_drafts: object  # zero draft probabilities [n, 1, V] (plain and all-greedy rounds)
-    zero: np.ndarray
-    no_draft_ids: np.ndarray
 
 
 class Slots:
@@ -81,6 +66,7 @@ class Slots:
         self.anchor = np.zeros(batch, dtype=np.int64)
         self.ar = np.zeros(batch, dtype=bool)  # "ar" requests: they never draft
         self.occupied = np.zeros(batch, dtype=bool)
+        self.top_logprobs = np.full(batch, -1, dtype=np.int64)  # -1: no logprobs
         # top_k, top_p, min_p, penalties, logit_bias: only with a sampler graph (else rows of no vocabulary)
         self.sampling = SamplingRows(batch, t["vocab_size"] if backend.sampler is not None else 0)
         self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule,
@@ -94,21 +80,14 @@ class Slots:
         self.narrows = isinstance(self.kv, HostKV) and isinstance(self.draft_kv, HostKV) \
             and isinstance(self.ctx, HostRows)
         whole = Rows(batch, self.kv, self.draft_kv, self.ctx, self.temperature, self.anchor, self.ar, self.occupied,
-                     backend.zeros((batch, 1, t["vocab_size"]), dtype=np.float32), np.zeros(batch, dtype=np.int64),
+                     self.top_logprobs, backend.zeros((batch, 1, t["vocab_size"]), dtype=np.float32), np.zeros(batch, dtype=np.int64),
                      np.zeros((batch, 1), dtype=np.int64))
         self._rows = {batch: whole}
         if self.narrows:
-            self._rows.update({n: self._leading(whole, n) for n in range(1, batch)})
+            self._rows.update({n: whole.leading(n) for n in range(1, batch)})
         # a host backend prefills each prompt alone: a batched prefill pads every prompt to the longest, and on CPU
         # that padding costs more than batching saves
         self.prefill_tokens = 1 if self.narrows else 8192
-
-    @staticmethod
-    def _leading(whole: Rows, n: int) -> Rows:
-        views = {name: value[:n] for name, value in whole.__dict__.items() if isinstance(value, np.ndarray)}
-        return Rows(**{**whole.__dict__, **views, "n": n, "kv": LeadingKV(whole.kv, n),
-                       "draft_kv": LeadingKV(whole.draft_kv, n), "ctx": LeadingRows(whole.ctx, n),
-                       "no_drafts": whole.no_drafts[:n]})
 
     # -- the client's side ------------------------------------------------------------------------------------
 
@@ -119,6 +98,8 @@ class Slots:
     def add(self, request: SlotRequest) -> None:
         """Queue a request; a step admits it when a slot is free."""
         check_sampling(self.sampling, request.sampling, self.backend.kind)
+        if request.logprobs is not None:
+            check_logprobs(self.backend, runs_sampler(request.sampling, request.temperature < GREEDY_EPS))
         self.queue.append(request)
 
     def cancel(self, request: SlotRequest) -> None:
@@ -195,7 +176,7 @@ class Slots:
         n, noises = len(requests), [self.slots[s].noise for s in slots]
         whole = self._rows[self.batch]
         t0 = time.perf_counter()
-        _, first, taps, new_kv = self._verify(
+        _, first, taps, new_kv, logprobs = self._verify(
             *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], whole.zero[:n], self.temperature[slots],
             stack(noises, 1), stack(noises, 1)[:, 0], whole.no_drafts[:n], np.asarray(slots))
         seconds = time.perf_counter() - t0
@@ -207,7 +188,7 @@ class Slots:
             if not request.ar:
                 self.ctx.put(slot, taps, i, count)
             self.anchor[slot] = first[i]
-            events.append(Event(request.id, self._take(slot, request, [int(first[i])]), request.result.done))
+            events.append(self._event(slot, request, [int(first[i])], logprobs, i))
         self._tell("prefilled", PrefillRecord(requests, lengths.tolist(), seconds,
                                               host(taps) if TAPS in self._wants else None))
         return events
@@ -217,6 +198,7 @@ class Slots:
         self.slots[slot] = Slot(request, (PlainStepNoise if request.ar else RequestNoise)(request.seed,
                                                                                           request.stream))
         self.temperature[slot], self.ar[slot], self.occupied[slot] = request.temperature, request.ar, True
+        self.top_logprobs[slot] = -1 if request.logprobs is None else request.logprobs
         self.sampling.open(slot, request.sampling, request.prompt_ids, request.temperature < GREEDY_EPS)
         self.kv.commit(slot, 0)
         self.draft_kv.commit(slot, 0)
@@ -241,7 +223,7 @@ class Slots:
             move_kv(self.kv, src, dst)
             move_kv(self.draft_kv, src, dst)
             move_rows(self.ctx, src, dst)
-            for array in (self.temperature, self.anchor, self.ar, self.occupied):
+            for array in (self.temperature, self.anchor, self.ar, self.occupied, self.top_logprobs):
                 array[dst] = array[src]
             self.sampling.move(src, dst)
             self.occupied[src] = False
@@ -268,7 +250,7 @@ class Slots:
         logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
         accept = stack(noises, 1 if plain else self.block_size + 1)[:, :t]
         t0 = time.perf_counter()
-        accepted, nxt, taps, new_kv = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index,
+        accepted, nxt, taps, new_kv, logprobs = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index,
                                                    record.verify_len, rows.temperature, accept,
                                                    stack(noises, 1)[:, 0], draft_probs, np.arange(b))
         record.verify_seconds = time.perf_counter() - t0
@@ -276,7 +258,8 @@ class Slots:
             self.gate.observe_verify(b * t, record.verify_seconds)  # the positions this step computed
         record.accepted = accepted
         events = [self._commit(rows, int(slot), int(accepted[slot]), drafts, int(nxt[slot]),
-                               int(record.verify_len[slot]), t, taps, new_kv) for slot in np.flatnonzero(live)]
+                               int(record.verify_len[slot]), t, taps, new_kv, logprobs)
+                  for slot in np.flatnonzero(live)]
         if TAPS in self._wants:
             record.taps = host(taps)
         self._tell("round", record)
@@ -319,7 +302,7 @@ class Slots:
         return heads["draft_tokens"].numpy(), rows.no_drafts if greedy else heads["draft_probs"], verify_len
 
     def _commit(self, rows: Rows, slot: int, accepted: int, drafts: np.ndarray, nxt: int, verified: int, t: int,
-                taps, new_kv) -> Event:
+                taps, new_kv, logprobs: StepLogprobs | None) -> Event:
         """One slot's round: accepted drafts + the verifier's next token, cut at a stop token."""
         request = self.slots[slot].request
         res = request.result
@@ -333,13 +316,21 @@ class Slots:
             commit = commit[:stop_at + 1]
         res.accepted.append(min(accepted, len(commit)))
         res.committed.append(len(commit))
-        event = Event(request.id, self._take(slot, request, commit), res.done)
+        event = self._event(slot, request, commit, logprobs, slot)
         if not res.done:
             self.kv.commit(slot, int(self.kv.lengths[slot]) + accepted + 1)
             if not rows.ar[slot]:
                 rows.ctx.put(slot, taps, slot, accepted + 1, append=True)
             rows.anchor[slot] = nxt
         return event
+
+    def _event(self, slot: int, request: SlotRequest, tokens: list[int], logprobs: StepLogprobs | None,
+               row: int) -> Event:
+        """Tokens committed to a request (row: its row of the step), with their log-probabilities where asked."""
+        out, top = self._take(slot, request, tokens), int(self.top_logprobs[slot])
+        entries = None if top < 0 or logprobs is None else logprobs.entries(row, out, top)
+        request.result.logprobs += entries or []
+        return Event(request.id, out, request.result.done, entries)
 
     def _take(self, slot: int, request: SlotRequest, tokens: list[int]) -> list[int]:
         """Append tokens to the request up to a stop token or its max_tokens; returns what was appended."""
@@ -381,14 +372,22 @@ class Slots:
                  "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
                  **feeds_kv}
         sampled = np.flatnonzero(self.sampling.on[slots])
-        out = self._run("verifier", feeds, [*STEP_OUTPUTS, "logits", *self.kv_outputs] if len(sampled) else None)
+        reported = self.top_logprobs[slots] >= 0
+        logits = len(sampled) or reported.any()
+        out = self._run("verifier", feeds, [*STEP_OUTPUTS, "logits", *self.kv_outputs] if logits else None)
         accepted, nxt = out["accepted"].numpy(), out["next_token"].numpy()
+        processed = {}
         if len(sampled):  # acceptance under the processed distributions (dspark.runtime.sampling)
-            redone = self._run("sampler", self.sampling.sampler_feeds(out["logits"], feeds, sampled, slots[sampled]))
+            fetch = ["accepted", "next_token", "logprobs"] if reported[sampled].any() else None
+            redone = self._run("sampler", self.sampling.sampler_feeds(out["logits"], feeds, sampled, slots[sampled]),
+                               fetch)
             accepted, nxt = np.array(accepted), np.array(nxt)
             accepted[sampled], nxt[sampled] = redone["accepted"].numpy(), redone["next_token"].numpy()
+            if fetch:
+                processed = dict(zip(sampled.tolist(), redone["logprobs"].numpy()))
+        logprobs = StepLogprobs(out["logits"].numpy(), temperature, processed) if reported.any() else None
         new_kv = [self._state(out[name]) for name in self.kv_outputs]
-        return accepted, nxt, self._state(out["taps"]), new_kv[0] if len(new_kv) == 1 else new_kv
+        return accepted, nxt, self._state(out["taps"]), new_kv[0] if len(new_kv) == 1 else new_kv, logprobs
 
     def _state(self, x):
         """A graph output the caches take: kept where it is on a device backend, else as a host array."""

@@ -13,10 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from dspark.errors import DSparkError
+from dspark.noise import GREEDY_EPS
 from dspark.runtime.engine import EngineClosed, QueueFull
 from dspark.runtime.engine_request import Delta, Request, RequestOptions
+from dspark.runtime.logprobs import check_logprobs
+from dspark.runtime.sampling import SamplingParams, check_sampling, runs_sampler
 from dspark.serve.limits import BodyLimit
-from dspark.runtime.sampling import SamplingParams, check_sampling
+from dspark.serve.logprobs import LogprobText
 from dspark.serve.responses import DONE, ApiError, Shape, sse
 from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
 from dspark.serve.state import ServerState
@@ -63,6 +66,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):
         _engine(state, body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         prompt_ids = state.chat.encode([{"role": m.role, "content": m.text} for m in body.messages])
         return await _generate(state, http, body, prompt_ids, body.max_completion_tokens or body.max_tokens,
                                chat=True)
@@ -129,9 +134,15 @@ def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], ma
                             f"the context {state.engine.capacity} positions (at most {room})",
                        param="max_tokens", code="context_length_exceeded")
     seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 63)
+    sampling = _sampling(state, body)
+    if body.top_logprobs_wanted is not None:
+        try:
+            check_logprobs(state.runtime.backend, runs_sampler(sampling, body.temperature < GREEDY_EPS))
+        except DSparkError as e:
+            raise ApiError(400, str(e), param="logprobs") from None
     return RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
                           stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
-                          sampling=_sampling(state, body))
+                          sampling=sampling, logprobs=body.top_logprobs_wanted)
 
 
 def _sampling(state: ServerState, body: SamplingFields) -> SamplingParams:
@@ -168,7 +179,8 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
         raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
     except EngineClosed as e:
         raise ApiError(503, str(e), "server_error", code="shutting_down") from None
-    shape = Shape.new(chat, state.config.model_name, request, state.metrics.block_size)
+    logprobs = None if options.logprobs is None else LogprobText(state.runtime.tokenizer, chat)
+    shape = Shape.new(chat, state.config.model_name, request, state.metrics.block_size, logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_events(request, deltas, shape, include_usage), media_type="text/event-stream",
@@ -216,7 +228,7 @@ async def _events(request: Request, deltas: asyncio.Queue, shape: Shape, include
                 yield sse(error.body())
                 break
             if delta.text or delta.finish_reason:
-                yield shape.chunk(delta.text, delta.finish_reason)
+                yield shape.chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs)
             if delta.finish_reason:
                 if include_usage:
                     yield shape.usage_chunk(request)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse
 
 from dspark.runtime.engine_request import Request
+from dspark.runtime.logprobs import TokenLogprob
+from dspark.serve.logprobs import LogprobText
 
 
 class ApiError(Exception):
@@ -57,10 +59,13 @@ class Shape:
     request_id: str
     created: int
     block_size: int  # the bundle's: the most drafts a round verifies
+    logprobs: LogprobText | None = None  # where the request asked for logprobs
 
     @classmethod
-    def new(cls, chat: bool, model: str, request: Request, block_size: int) -> "Shape":
-        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", int(time.time()), block_size)
+    def new(cls, chat: bool, model: str, request: Request, block_size: int,
+            logprobs: LogprobText | None = None) -> "Shape":
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", int(time.time()), block_size,
+                   logprobs)
 
     def _tail(self, request: Request) -> dict:
         """What closes a response: usage, and the speculative statistics where vLLM puts them."""
@@ -72,15 +77,18 @@ class Shape:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def full(self, request: Request) -> dict:
-        choice = {"index": 0, "finish_reason": request.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": request.finish_reason,
+                  "logprobs": self.logprobs and self.logprobs.body(request.logprobs)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": request.text}
         else:
             choice["text"] = request.text
         return {**self._head(False), "choices": [choice], **self._tail(request)}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              logprobs: list[TokenLogprob] = ()) -> str:
+        choice = {"index": 0, "finish_reason": finish_reason,
+                  "logprobs": self.logprobs.body(logprobs) if self.logprobs and logprobs else None}
         if self.chat:
             choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         else:

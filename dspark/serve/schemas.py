@@ -3,7 +3,7 @@
 Unknown fields are refused with 400 (as the OpenAI API does: "Unrecognized request argument"). Sampling takes
 OpenAI's top_p, presence_penalty, frequency_penalty and logit_bias and vLLM's top_k, min_p and repetition_penalty, in
 their ranges (dspark.runtime.sampling). OpenAI fields this server does not implement are accepted only at their
-neutral values (n=1, no logprobs, no echo), so a client never gets silently different sampling than it asked for.
+neutral values (n=1, no echo), so a client never gets silently different sampling than it asked for.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from dspark.runtime.engine_request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from dspark.runtime.logprobs import MAX_TOP_LOGPROBS
 from dspark.runtime.sampling import BIAS_LIMIT, MAX_REPETITION, PENALTY_LIMIT
 
 MAX_PROMPT_CHARS = 200_000
@@ -50,7 +51,6 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[Number, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] = 0.0
     logit_bias: Annotated[dict[StrictStr, Annotated[Number, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]],
                           Field(max_length=MAX_BIASED)] | None = None
-    logprobs: None | Literal[False] = None
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      mode="before")
@@ -60,6 +60,11 @@ class SamplingFields(BaseModel):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"Input should be a number, not {type(value).__name__}")
         return value
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else the most likely alternatives each token's entry lists."""
+        return None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -74,6 +79,11 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False
     best_of: Literal[1] = 1
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top alternatives per token
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -96,6 +106,12 @@ class Message(BaseModel):
 class ChatRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1, max_length=256)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod

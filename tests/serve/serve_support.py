@@ -1,4 +1,5 @@
 """Helpers of the serving tests: `dspark serve` in a subprocess on 127.0.0.1, polling with a bound."""
+import json
 import os
 import signal
 import socket
@@ -6,6 +7,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+import httpx
 
 from support.polling import wait_until
 
@@ -86,3 +90,16 @@ def start_server(bundle, log: Path, *args: str, prelude: str = "") -> Server:
 
     assert wait_until(ready, READY_WAIT_S, 0.2), log.read_text()[-2000:]
     return server
+
+
+def post(server, body, path="/v1/completions", **kw):
+    content = body if isinstance(body, (bytes, str, Iterator)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=60, **kw)
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    return error

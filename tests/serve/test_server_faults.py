@@ -1,27 +1,13 @@
 """Bad input and faults against `dspark serve`: OpenAI-style 4xx bodies, bounded concurrency, disconnects."""
 import asyncio
 import json
-from typing import Iterator
 
 import httpx
 import pytest
 
-from serve_support import wait_until
+from serve_support import error_of, post, wait_until
 
 GOOD = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, "temperature": 0}
-
-
-def post(server, body, path="/v1/completions", **kw):
-    content = body if isinstance(body, (bytes, str, Iterator)) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=60, **kw)
-
-
-def error_of(response, status):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["message"] and error["type"]
-    return error
 
 
 @pytest.mark.parametrize("body, param", [

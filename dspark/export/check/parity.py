@@ -45,7 +45,9 @@ TOLERANCES = {
     "taps": (1e-3, 2e-3), "logits": (1e-3, 2e-3), "new_kv": (1e-3, 1e-3), "hidden": (1e-3, 1e-3),
     "new_draft_kv": (1e-3, 1e-3),
     "draft_probs": (1e-3, 1e-5), "probs": (1e-3, 1e-5), "survival": (1e-4, 1e-5), "conf_logits": (1e-3, 1e-4),
+    "logprobs": (1e-3, 2e-3),
 }
+LOGPROB_FLOOR = -1e4  # -inf (a token filtered out) is compared as this: a finite value against it fails
 
 
 # ----------------------------------------------------------------------------------------- export side (torch)
@@ -167,6 +169,7 @@ def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dic
     """Polygraphy's comparator over the two result sets, with our per-output tolerances."""
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
+    got, want = _floored(got), _floored(want)
     rtol = {k: _tolerance(k)[0] for k in want}
     atol = {k: _tolerance(k)[1] for k in want}
     results = RunResults([("onnxruntime", [IterationResult(got, runner_name="onnxruntime")]),
@@ -191,6 +194,10 @@ def compare_outputs(graph: str, call: str, got: dict[str, np.ndarray], want: dic
                              "exact" if (r, t) == (0.0, 0.0) else f"rtol {r:g} atol {t:g}",
                              per_output.get(name, passed)))
     return rows
+
+
+def _floored(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.maximum(v, LOGPROB_FLOOR) if k == "logprobs" else v for k, v in outputs.items()}
 
 
 def _tolerance(output: str) -> tuple[float, float]:

@@ -231,7 +231,7 @@ def _output_axes(ex: GraphExample) -> dict[str, dict[int, str]]:
                 "logits": {0: "batch", 1: "rows"}, **kv}
     if isinstance(ex.module, DraftGraph):
         return {"hidden": {0: "batch"}, "new_draft_kv": {2: "batch", 4: "ctx"}}
-    return {n: {0: "batch", 1: "rows"} if n == "probs" else {0: "batch"} for n in ex.outputs}  # heads, sampler
+    return {n: {0: "batch", 1: "rows"} if n in ("probs", "logprobs") else {0: "batch"} for n in ex.outputs}
 
 
 def _tool_versions() -> dict[str, str]:
