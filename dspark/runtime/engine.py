@@ -37,6 +37,7 @@ from dspark.runtime.sampling import check_sampling, runs_sampler
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
+from dspark.schema import is_int
 
 
 class QueueFull(DSparkError):
@@ -122,19 +123,32 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], options: RequestOptions = RequestOptions(),
                sink: Callable[[Delta], None] | None = None) -> Request:
+        return self.submit_choices(prompt_ids, options, 1, None if sink is None else [sink])[0]
+
+    def submit_choices(self, prompt_ids: list[int], options: RequestOptions, n: int,
+                       sinks: list[Callable[[Delta], None]] | None = None) -> list[Request]:
+        """n completions of one prompt (OpenAI's n), each a Request of its own (sinks: one per choice, or None to
+        iterate them). They take slots together and the prompt is prefilled once; choice i draws the noise stream i
+        of the request's seed, so the same seed and n give the same choices."""
         ar = self.check(prompt_ids, options)
+        if not is_int(n) or not 1 <= n <= self.batch:
+            raise DSparkError(f"n must be an integer in 1..{self.batch} (this engine's batch slots: every choice "
+                              f"decodes in a slot of its own), not {n!r}")
         with self._cond:
             if self._closing:
                 self.observer.refused("closed")
                 raise EngineClosed("the engine is shutting down")
-            if len(self._pending) + len(self._requests) >= self.batch + self.options.max_queue:
+            if len(self._pending) + len(self._requests) + n > self.batch + self.options.max_queue:
                 self.observer.refused("queue_full")
                 raise QueueFull(f"the queue is full ({self.options.max_queue} requests waiting); retry later")
-            request = Request(next(self._ids), list(prompt_ids), options, ar, sink)
-            self._pending.append(request)
+            requests: list[Request] = []
+            for i in range(n):
+                requests.append(Request(next(self._ids), list(prompt_ids), options, ar, sinks and sinks[i],
+                                        choice=i, first_choice=requests[0] if i else None))
+            self._pending.extend(requests)
             self.observer.queue_depth(len(self._pending))
             self._cond.notify_all()
-        return request
+        return requests
 
     @property
     def queue_depth(self) -> int:
@@ -199,7 +213,12 @@ class Engine:
         leaving = sum(1 for r in self._requests.values() if r.cancelled.is_set() and not r.done)
         free = self.slots.free_slots() + leaving  # cancelled requests leave their slots at this boundary
         while self._pending and len(taken) < max(free, 0):
-            taken.append(self._pending.popleft())
+            size = 1  # a request's choices take slots together
+            while size < len(self._pending) and self._pending[size].first_choice is self._pending[0]:
+                size += 1
+            if len(taken) + size > free:
+                break
+            taken += [self._pending.popleft() for _ in range(size)]
         for request in taken:
             self._requests[request.id] = request
         self.observer.queue_depth(len(self._pending))
@@ -214,9 +233,11 @@ class Engine:
         for request in taken:
             request.stop_text = StopText(self.runtime.tokenizer, request.options.stop)
             options = request.options
+            first = request.first_choice and self._decoding.get(request.first_choice.id)
             self._decoding[request.id] = SlotRequest(request.id, request.prompt_ids, options.max_tokens,
-                                                     options.temperature, options.seed, ar=request.ar,
-                                                     sampling=options.sampling, logprobs=options.logprobs)
+                                                     options.temperature, options.seed, request.choice,
+                                                     ar=request.ar, sampling=options.sampling,
+                                                     logprobs=options.logprobs, shares_prompt_with=first)
             self.slots.add(self._decoding[request.id])
         self._deliver(self.slots.step())
         self._forget_finished()

@@ -91,8 +91,9 @@ class Request:
     thread instead); `cancel()` frees its slot at the next round boundary."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], options: RequestOptions, ar: bool,
-                 sink: Callable[[Delta], None] | None):
+                 sink: Callable[[Delta], None] | None, choice: int = 0, first_choice: "Request | None" = None):
         self.id, self.prompt_ids, self.options, self.ar = request_id, prompt_ids, options, ar
+        self.choice, self.first_choice = choice, first_choice  # OpenAI's n: which choice; the prompt's first
         self._queue: queue.SimpleQueue[Delta] | None = None if sink else queue.SimpleQueue()
         self.sink = sink or self._queue.put
         self.token_ids: list[int] = []

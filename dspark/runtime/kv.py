@@ -129,17 +129,20 @@ class LeadingRows:
         return np.ascontiguousarray(self.whole.rows[:self.n, :max(int(self.count.max()), 1)])
 
 
-def move_kv(kv: HostKV, src: int, dst: int) -> None:
-    """Move slot src's valid cache prefix to slot dst (free); src is left empty."""
+def move_kv(kv: HostKV, src: int, dst: int, keep: bool = False) -> None:
+    """Move slot src's valid cache prefix to slot dst (free); src is left empty (keep: as it was, a copy)."""
     length = int(kv.lengths[src])
     for buffer in kv.buffers:
         buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]
     kv.commit(dst, 0)
     kv.commit(dst, length)
-    kv.commit(src, 0)
+    if not keep:
+        kv.commit(src, 0)
 
 
-def move_rows(rows: HostRows, src: int, dst: int) -> None:
+def move_rows(rows: HostRows, src: int, dst: int, keep: bool = False) -> None:
     count = int(rows.count[src])
     rows.rows[dst, :count] = rows.rows[src, :count]
-    rows.count[dst], rows.count[src] = count, 0
+    rows.count[dst] = count
+    if not keep:
+        rows.count[src] = 0

@@ -17,7 +17,8 @@ class SlotRequest:
     ar: decode autoregressively inside a drafting batch (no drafts verified; noise drawn as a plain step).
     sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling).
     logprobs: None, or each token's log-probability with its position's `logprobs` most likely tokens
-    (dspark.runtime.logprobs)."""
+    (dspark.runtime.logprobs). shares_prompt_with: the first choice of the same prompt (n > 1), queued right before
+    this one: the slots prefill the prompt once and copy it (dspark.runtime.slots)."""
 
     id: int
     prompt_ids: list[int]
@@ -28,6 +29,7 @@ class SlotRequest:
     ar: bool = False
     sampling: SamplingParams = NEUTRAL
     logprobs: int | None = None
+    shares_prompt_with: "SlotRequest | None" = None
     result: RequestResult = field(init=False)
 
     def __post_init__(self):

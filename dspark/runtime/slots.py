@@ -32,10 +32,9 @@ from collections import deque
 import numpy as np
 
 from dspark.bundle import Manifest
-from dspark.errors import DSparkError
 from dspark.kv_layout import kv_groups, kv_output_names
 from dspark.noise import GREEDY_EPS, PlainStepNoise, RequestNoise, stack
-from dspark.runtime.backend import STEP_OUTPUTS, Backend, host
+from dspark.runtime.backend import Backend, host
 from dspark.runtime.gate import DraftGate
 from dspark.runtime.kv import HostKV, HostRows, move_kv, move_rows
 from dspark.runtime.observers import CONFIDENCE, TAPS, PrefillRecord, RoundObserver, RoundRecord
@@ -44,6 +43,7 @@ from dspark.runtime.results import Event
 from dspark.runtime.rows import Rows
 from dspark.runtime.sampling import SamplingRows, check_sampling, runs_sampler
 from dspark.runtime.slot_request import Slot, SlotRequest
+from dspark.runtime.step_graphs import StepGraphs, Verified
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
 
@@ -56,7 +56,6 @@ class Slots:
         t, d = manifest.target, manifest.draft
         # the backend decides where caches live (host numpy for ONNX Runtime, device memory for TensorRT)
         self.kv = backend.grouped_kv_cache(kv_groups(t), batch, capacity, "target")  # (one group: uniform)
-        self.kv_outputs = kv_output_names(t)  # the verifier's new K/V: new_kv, or new_kv.{g} per group
         self.draft_kv = backend.kv_cache(d["num_layers"], batch, d["num_kv_heads"], capacity, d["head_dim"],
                                          "draft", prefix="draft_past")
         self.ctx = backend.context_rows(batch, manifest.tap_features)
@@ -69,6 +68,7 @@ class Slots:
         self.top_logprobs = np.full(batch, -1, dtype=np.int64)  # -1: no logprobs
         # top_k, top_p, min_p, penalties, logit_bias: only with a sampler graph (else rows of no vocabulary)
         self.sampling = SamplingRows(batch, t["vocab_size"] if backend.sampler is not None else 0)
+        self.graphs = StepGraphs(backend, self.sampling, self.top_logprobs, kv_output_names(t))
         self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule,
                                     manifest.acceptance_prior())
         self.gate = gate
@@ -154,43 +154,69 @@ class Slots:
                 break
             group, longest = [], 0
             while len(group) < len(free) and self.queue:
-                nxt = len(self.queue[0].prompt_ids)
-                if group and max(longest, nxt) * (len(group) + 1) > self.prefill_tokens:
+                nxt, size = len(self.queue[0].prompt_ids), self._choices_queued()  # a request's choices go together
+                if len(group) + size > len(free) or (
+                        group and max(longest, nxt) * (len(group) + 1) > self.prefill_tokens):
                     break
                 longest = max(longest, nxt)
-                group.append(self.queue.popleft())
+                group += [self.queue.popleft() for _ in range(size)]
+            if not group:
+                break
             events += self._prefill(free[:len(group)], group)  # a request may finish at once (a stop token)
         if self.narrows:
             self._compact()
         return events
 
+    def _choices_queued(self) -> int:
+        """The queue's first request and the other choices of its prompt queued right behind it (n > 1)."""
+        head, size = self.queue[0], 1
+        while size < len(self.queue) and self.queue[size].shares_prompt_with is head:
+            size += 1
+        return size
+
     def _prefill(self, slots: list[int], requests: list[SlotRequest]) -> list:
-        """One verifier call on an empty dummy cache; each prompt's K/V are then written into its slot's cache."""
-        lengths = np.array([len(r.prompt_ids) for r in requests], dtype=np.int64)
-        tokens = np.zeros((len(requests), int(lengths.max())), dtype=np.int64)
-        for i, request in enumerate(requests):
-            tokens[i, :lengths[i]] = request.prompt_ids
+        """One verifier call on an empty dummy cache; each prompt's K/V are then written into its slot's cache.
+        The choices of one prompt (n > 1, host caches) prefill it but its last token once, in the first choice's
+        slot; the others copy that cache, and every choice computes the last prompt token in its first round, with
+        its own noise (its first token comes from that round)."""
         for slot, request in zip(slots, requests):
             self._open(slot, request)
-            self.kv.check_room(slot, tokens.shape[1], request=request.id)
+        firsts = {id(r.shares_prompt_with) for r in requests if r.shares_prompt_with is not None} \
+            if self.narrows else set()
+        cut = {id(r): slot for slot, r in zip(slots, requests) if id(r) in firsts and len(r.prompt_ids) > 1}
+        copies = [(slot, r) for slot, r in zip(slots, requests) if id(r.shares_prompt_with) in cut]
+        slots, requests = zip(*[(slot, r) for slot, r in zip(slots, requests) if id(r.shares_prompt_with) not in cut])
+        prompts = [r.prompt_ids[:-1] if id(r) in cut else r.prompt_ids for r in requests]
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        tokens = np.zeros((len(requests), int(lengths.max())), dtype=np.int64)
+        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+            tokens[i, :lengths[i]] = prompt
+            self.kv.check_room(slot, tokens.shape[1], request=requests[i].id)
         n, noises = len(requests), [self.slots[s].noise for s in slots]
         whole = self._rows[self.batch]
         t0 = time.perf_counter()
-        _, first, taps, new_kv, logprobs = self._verify(
-            *self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], whole.zero[:n], self.temperature[slots],
-            stack(noises, 1), stack(noises, 1)[:, 0], whole.no_drafts[:n], np.asarray(slots))
+        step = self._verify(*self.kv.prefill_feeds(n), tokens, (lengths - 1)[:, None], whole.zero[:n],
+                            self.temperature[list(slots)], stack(noises, 1), stack(noises, 1)[:, 0],
+                            whole.no_drafts[:n], np.asarray(slots))
         seconds = time.perf_counter() - t0
         events = []
         for i, (slot, request) in enumerate(zip(slots, requests)):
             count = int(lengths[i])
-            self.kv.write(new_kv, i, count, slot=slot)
+            self.kv.write(step.new_kv, i, count, slot=slot)
             self.kv.commit(slot, count)
             if not request.ar:
-                self.ctx.put(slot, taps, i, count)
-            self.anchor[slot] = first[i]
-            events.append(self._event(slot, request, [int(first[i])], logprobs, i))
-        self._tell("prefilled", PrefillRecord(requests, lengths.tolist(), seconds,
-                                              host(taps) if TAPS in self._wants else None))
+                self.ctx.put(slot, step.taps, i, count)
+            if id(request) in cut:  # its choices' first round computes the last prompt token
+                self.anchor[slot] = request.prompt_ids[-1]
+            else:
+                self.anchor[slot] = step.next_token[i]
+                events.append(self._event(slot, request, [int(step.next_token[i])], step.logprobs, i))
+        for slot, request in copies:
+            move_kv(self.kv, cut[id(request.shares_prompt_with)], slot, keep=True)
+            move_rows(self.ctx, cut[id(request.shares_prompt_with)], slot, keep=True)
+            self.anchor[slot] = request.prompt_ids[-1]
+        self._tell("prefilled", PrefillRecord(list(requests), lengths.tolist(), seconds,
+                                              host(step.taps) if TAPS in self._wants else None))
         return events
 
     def _open(self, slot: int, request: SlotRequest) -> None:
@@ -250,18 +276,16 @@ class Slots:
         logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
         accept = stack(noises, 1 if plain else self.block_size + 1)[:, :t]
         t0 = time.perf_counter()
-        accepted, nxt, taps, new_kv, logprobs = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index,
-                                                   record.verify_len, rows.temperature, accept,
-                                                   stack(noises, 1)[:, 0], draft_probs, np.arange(b))
+        step = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index, record.verify_len,
+                            rows.temperature, accept, stack(noises, 1)[:, 0], draft_probs, np.arange(b))
         record.verify_seconds = time.perf_counter() - t0
         if self.gate is not None:
             self.gate.observe_verify(b * t, record.verify_seconds)  # the positions this step computed
-        record.accepted = accepted
-        events = [self._commit(rows, int(slot), int(accepted[slot]), drafts, int(nxt[slot]),
-                               int(record.verify_len[slot]), t, taps, new_kv, logprobs)
+        record.accepted = step.accepted
+        events = [self._commit(rows, int(slot), drafts, int(record.verify_len[slot]), t, step)
                   for slot in np.flatnonzero(live)]
         if TAPS in self._wants:
-            record.taps = host(taps)
+            record.taps = host(step.taps)
         self._tell("round", record)
         return events
 
@@ -273,10 +297,10 @@ class Slots:
     def _draft(self, rows: Rows, drafting: np.ndarray, noises: list, record: RoundRecord):
         """Draft + heads for the drafting rows: (draft tokens, their probabilities, drafts to verify per row)."""
         t0 = time.perf_counter()
-        out = self._run("draft", {"ctx_features": rows.ctx.feed(), "ctx_count": rows.ctx.count,
+        out = self.graphs.run("draft", {"ctx_features": rows.ctx.feed(), "ctx_count": rows.ctx.count,
                                   "anchor": rows.anchor, "past_mask": rows.draft_kv.past_mask(),
                                   **rows.draft_kv.feeds})
-        new_kv = self._state(out["new_draft_kv"])
+        new_kv = self.graphs.state(out["new_draft_kv"])
         t1 = time.perf_counter()
         for slot in np.flatnonzero(rows.ctx.count):
             count = int(rows.ctx.count[slot])
@@ -289,7 +313,7 @@ class Slots:
                  **self.planner.feeds(drafting)}
         # all greedy: no sampling machinery, and the verifier takes zero draft probabilities (the same decisions)
         greedy = self.backend.heads_greedy is not None and not np.any(rows.temperature[drafting] >= GREEDY_EPS)
-        heads = self._run("heads_greedy", feeds) if greedy else self._run(
+        heads = self.graphs.run("heads_greedy", feeds) if greedy else self.graphs.run(
             "heads", {**feeds, "temperature": rows.temperature, "draft_noise": noise})
         t2 = time.perf_counter()
         record.draft_seconds, record.heads_seconds = t1 - t0, t2 - t1
@@ -301,13 +325,13 @@ class Slots:
         verify_len = self.planner.after(survival, drafting, heads["verify_len"].numpy())
         return heads["draft_tokens"].numpy(), rows.no_drafts if greedy else heads["draft_probs"], verify_len
 
-    def _commit(self, rows: Rows, slot: int, accepted: int, drafts: np.ndarray, nxt: int, verified: int, t: int,
-                taps, new_kv, logprobs: StepLogprobs | None) -> Event:
+    def _commit(self, rows: Rows, slot: int, drafts: np.ndarray, verified: int, t: int, step: Verified) -> Event:
         """One slot's round: accepted drafts + the verifier's next token, cut at a stop token."""
         request = self.slots[slot].request
         res = request.result
+        accepted, nxt = int(step.accepted[slot]), int(step.next_token[slot])
         self.kv.check_room(slot, t, request=request.id)
-        self.kv.write(new_kv, slot, t)
+        self.kv.write(step.new_kv, slot, t)
         res.rounds += 1
         res.proposed.append(verified)
         commit = [int(x) for x in drafts[slot, :accepted]] + [nxt]
@@ -316,11 +340,11 @@ class Slots:
             commit = commit[:stop_at + 1]
         res.accepted.append(min(accepted, len(commit)))
         res.committed.append(len(commit))
-        event = self._event(slot, request, commit, logprobs, slot)
+        event = self._event(slot, request, commit, step.logprobs, slot)
         if not res.done:
             self.kv.commit(slot, int(self.kv.lengths[slot]) + accepted + 1)
             if not rows.ar[slot]:
-                rows.ctx.put(slot, taps, slot, accepted + 1, append=True)
+                rows.ctx.put(slot, step.taps, slot, accepted + 1, append=True)
             rows.anchor[slot] = nxt
         return event
 
@@ -352,46 +376,11 @@ class Slots:
 
     # -- graph calls ------------------------------------------------------------------------------------------
 
-    def _run(self, graph: str, feeds: dict, fetch: list[str] | None = None) -> dict:
-        """One graph call (fetch: the outputs wanted, when not the default ones); an engine's run-time failure (bad
-        values, out of memory) becomes one DSparkError line."""
-        try:
-            run = getattr(self.backend, graph).run
-            return run(feeds) if fetch is None else run(feeds, fetch=fetch)
-        except DSparkError:
-            raise
-        except Exception as e:  # onnxruntime / TensorRT raise their own exception types
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise DSparkError(f"the {graph} graph failed at run time: {first[:300]}") from None
-
     def _verify(self, feeds_kv: dict, mask, tokens, logit_index, verify_len, temperature, accept, sample,
-                draft_probs, slots: np.ndarray):
-        """The verifier's step (slots: each row's slot); rows of requests with sampling parameters are accepted by
-        the sampler graph instead."""
-        feeds = {"tokens": tokens, "past_mask": mask, "logit_index": logit_index, "verify_len": verify_len,
-                 "temperature": temperature, "accept_noise": accept, "sample_noise": sample, "draft_probs": draft_probs,
-                 **feeds_kv}
-        sampled = np.flatnonzero(self.sampling.on[slots])
-        reported = self.top_logprobs[slots] >= 0
-        logits = len(sampled) or reported.any()
-        out = self._run("verifier", feeds, [*STEP_OUTPUTS, "logits", *self.kv_outputs] if logits else None)
-        accepted, nxt = out["accepted"].numpy(), out["next_token"].numpy()
-        processed = {}
-        if len(sampled):  # acceptance under the processed distributions (dspark.runtime.sampling)
-            fetch = ["accepted", "next_token", "logprobs"] if reported[sampled].any() else None
-            redone = self._run("sampler", self.sampling.sampler_feeds(out["logits"], feeds, sampled, slots[sampled]),
-                               fetch)
-            accepted, nxt = np.array(accepted), np.array(nxt)
-            accepted[sampled], nxt[sampled] = redone["accepted"].numpy(), redone["next_token"].numpy()
-            if fetch:
-                processed = dict(zip(sampled.tolist(), redone["logprobs"].numpy()))
-        logprobs = StepLogprobs(out["logits"].numpy(), temperature, processed) if reported.any() else None
-        new_kv = [self._state(out[name]) for name in self.kv_outputs]
-        return accepted, nxt, self._state(out["taps"]), new_kv[0] if len(new_kv) == 1 else new_kv, logprobs
-
-    def _state(self, x):
-        """A graph output the caches take: kept where it is on a device backend, else as a host array."""
-        return x if self.backend.device_resident else x.numpy()
+                draft_probs, slots: np.ndarray) -> Verified:
+        return self.graphs.verify({"tokens": tokens, "past_mask": mask, "logit_index": logit_index,
+                                   "verify_len": verify_len, "temperature": temperature, "accept_noise": accept,
+                                   "sample_noise": sample, "draft_probs": draft_probs, **feeds_kv}, slots)
 
     def _tell(self, what: str, record) -> None:
         for observer in self.observers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -135,14 +136,12 @@ def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], ma
                        param="max_tokens", code="context_length_exceeded")
     seed = body.seed if body.seed is not None else secrets.randbelow(2 ** 63)
     sampling = _sampling(state, body)
-    if body.top_logprobs_wanted is not None:
-        try:
-            check_logprobs(state.runtime.backend, runs_sampler(sampling, body.temperature < GREEDY_EPS))
-        except DSparkError as e:
-            raise ApiError(400, str(e), param="logprobs") from None
-    return RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
-                          stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
-                          sampling=sampling, logprobs=body.top_logprobs_wanted)
+    options = RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
+                             stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
+                             sampling=sampling, logprobs=body.top_logprobs_wanted)
+    if options.logprobs is not None:
+        _logprobs_ok(state, options, "logprobs")
+    return options
 
 
 def _sampling(state: ServerState, body: SamplingFields) -> SamplingParams:
@@ -170,57 +169,90 @@ def _sampling(state: ServerState, body: SamplingFields) -> SamplingParams:
 async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields, prompt_ids: list[int],
                     max_tokens: int | None, chat: bool):
     options = _options(state, body, prompt_ids, max_tokens)
+    n, best_of = body.n, getattr(body, "best_of", None) or body.n
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > state.engine.batch:
+        raise ApiError(400, f"{'best_of' if best_of > n else 'n'} ({best_of}) is more than this server's "
+                            f"{state.engine.batch} batch slots (each choice decodes in a slot of its own)",
+                       param="best_of" if best_of > n else "n")
+    if best_of > n and body.stream:
+        raise ApiError(400, "best_of greater than n cannot be streamed", param="best_of")
+    if best_of > n and options.logprobs is None:  # the best are ranked by their log-probability per token
+        _logprobs_ok(state, options, "best_of")
+        options = replace(options, logprobs=0)
     loop = asyncio.get_running_loop()
-    deltas: asyncio.Queue[Delta | None] = asyncio.Queue()  # None: the client of a whole response went away
+    deltas: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()  # None: the client went away
+    sinks = [lambda delta, i=i: loop.call_soon_threadsafe(deltas.put_nowait, (i, delta)) for i in range(best_of)]
     try:
-        request = state.engine.submit(prompt_ids, options,
-                                      sink=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta))
+        requests = state.engine.submit_choices(prompt_ids, options, best_of, sinks)
     except QueueFull as e:
         raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
     except EngineClosed as e:
         raise ApiError(503, str(e), "server_error", code="shutting_down") from None
-    logprobs = None if options.logprobs is None else LogprobText(state.runtime.tokenizer, chat)
-    shape = Shape.new(chat, state.config.model_name, request, state.metrics.block_size, logprobs)
+    logprobs = None if body.top_logprobs_wanted is None else [LogprobText(state.runtime.tokenizer, chat)
+                                                               for _ in range(best_of)]
+    shape = Shape.new(chat, state.config.model_name, requests, state.metrics.block_size, logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_events(request, deltas, shape, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_events(requests, deltas, shape, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _whole(http, request, deltas, shape)
+    return await _whole(http, requests, deltas, shape, n)
 
 
-async def _whole(http: HttpRequest, request: Request, deltas: asyncio.Queue, shape: Shape):
-    watcher = asyncio.create_task(_cancel_when_gone(http, request, deltas))
+def _logprobs_ok(state: ServerState, options: RequestOptions, param: str) -> None:
+    """400 naming `param` unless the backend gives log-probabilities for a request with these options."""
     try:
-        while not request.done:
+        check_logprobs(state.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS))
+    except DSparkError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+async def _whole(http: HttpRequest, requests: list[Request], deltas: asyncio.Queue, shape: Shape, n: int):
+    """The whole response: the n choices of the highest log-probability per token among the requests (best_of),
+    else every request's."""
+    watcher = asyncio.create_task(_cancel_when_gone(http, requests, deltas))
+    try:
+        while not all(r.done for r in requests):
             if await deltas.get() is None:  # the client went away: nobody reads this response
                 return Response(status_code=499)
     finally:
         watcher.cancel()
-        request.cancel()  # a no-op once finished; frees the slot when the handler is torn down
-    if request.finish_reason == "cancelled":
+        for request in requests:
+            request.cancel()  # a no-op once finished; frees the slot when the handler is torn down
+    if any(r.finish_reason == "cancelled" for r in requests):
         raise ApiError(503, "the request was cancelled: the server is shutting down", "server_error",
                        code="shutting_down")
-    if request.finish_reason == "error":
-        raise ApiError(500, f"decoding failed: {request.error}", "server_error")
-    return shape.full(request)
+    failed = next((r for r in requests if r.finish_reason == "error"), None)
+    if failed is not None:
+        raise ApiError(500, f"decoding failed: {failed.error}", "server_error")
+    if len(requests) == n:
+        return shape.full(requests)
+    best = sorted(requests, key=lambda r: -sum(e.logprob for e in r.logprobs) / max(len(r.logprobs), 1))[:n]
+    return shape.full(best, index=list(range(n)), counted=requests)
 
 
-async def _cancel_when_gone(http: HttpRequest, request: Request, deltas: asyncio.Queue) -> None:
+async def _cancel_when_gone(http: HttpRequest, requests: list[Request], deltas: asyncio.Queue) -> None:
     """Watch the connection while the engine works (a poll between deltas never comes while tokens flow): once the
     body is read, receive() answers only when the client disconnects."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-    request.cancel()
+    for request in requests:
+        request.cancel()
     deltas.put_nowait(None)
 
 
-async def _events(request: Request, deltas: asyncio.Queue, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; a client that goes away cancels the generator, which cancels the request."""
+async def _events(requests: list[Request], deltas: asyncio.Queue, shape: Shape, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    """Server-sent events, the choices' chunks as they come; a client that goes away cancels the generator, which
+    cancels the requests."""
     try:
         if shape.chat:
-            yield shape.chunk("", first=True)
-        while True:
-            delta = await deltas.get()
+            for i in range(len(requests)):
+                yield shape.chunk("", first=True, index=i)
+        finished = 0
+        while finished < len(requests):
+            i, delta = await deltas.get()
             if delta.finish_reason in ("cancelled", "error"):
                 error = ApiError(503 if delta.finish_reason == "cancelled" else 500,
                                  delta.error or "the request was cancelled: the server is shutting down",
@@ -228,11 +260,12 @@ async def _events(request: Request, deltas: asyncio.Queue, shape: Shape, include
                 yield sse(error.body())
                 break
             if delta.text or delta.finish_reason:
-                yield shape.chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs)
-            if delta.finish_reason:
-                if include_usage:
-                    yield shape.usage_chunk(request)
-                break
+                yield shape.chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs, index=i)
+            finished += bool(delta.finish_reason)
+        else:
+            if include_usage:
+                yield shape.usage_chunk(requests)
         yield DONE
     finally:
-        request.cancel()
+        for request in requests:
+            request.cancel()

@@ -28,17 +28,20 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def usage(request: Request) -> dict:
-    prompt, generated = len(request.prompt_ids), len(request.token_ids)
+def usage(requests: list[Request]) -> dict:
+    """One prompt, the tokens of every choice."""
+    prompt, generated = len(requests[0].prompt_ids), sum(len(r.token_ids) for r in requests)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-def speculative_decoding(request: Request, block_size: int) -> dict:
+def speculative_decoding(requests: list[Request], block_size: int) -> dict:
     """The request's speculative decoding as vLLM reports it per request (its response's
-    `metrics.speculative_decoding`): the rounds that verified drafts ("spec steps"), the drafts they verified and
-    accepted, and `acceptance_histogram[j]`: steps that accepted exactly j drafts. dspark verifies a varying number
-    of drafts per round (at most the block size, `num_spec_tokens`); rounds without drafts are not steps."""
-    steps = [(verified, accepted) for verified, accepted in zip(request.proposed, request.accepted) if verified]
+    `metrics.speculative_decoding`), over its choices: the rounds that verified drafts ("spec steps"), the drafts
+    they verified and accepted, and `acceptance_histogram[j]`: steps that accepted exactly j drafts. dspark verifies
+    a varying number of drafts per round (at most the block size, `num_spec_tokens`); rounds without drafts are not
+    steps."""
+    steps = [(verified, accepted) for r in requests for verified, accepted in zip(r.proposed, r.accepted)
+             if verified]
     drafts = sum(verified for verified, _ in steps)
     accepted = sum(a for _, a in steps)
     histogram = [0] * (block_size + 1)
@@ -52,51 +55,58 @@ def speculative_decoding(request: Request, block_size: int) -> dict:
 
 @dataclass
 class Shape:
-    """How one endpoint words its bodies: text completions or chat completions."""
+    """How one endpoint words its bodies: text completions or chat completions, of one or several choices."""
 
     chat: bool
     model: str
     request_id: str
     created: int
     block_size: int  # the bundle's: the most drafts a round verifies
-    logprobs: LogprobText | None = None  # where the request asked for logprobs
+    logprobs: list[LogprobText] | None = None  # one per choice, where the request asked for logprobs
 
     @classmethod
-    def new(cls, chat: bool, model: str, request: Request, block_size: int,
-            logprobs: LogprobText | None = None) -> "Shape":
-        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", int(time.time()), block_size,
-                   logprobs)
+    def new(cls, chat: bool, model: str, requests: list[Request], block_size: int,
+            logprobs: list[LogprobText] | None = None) -> "Shape":
+        return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{requests[0].id}", int(time.time()),
+                   block_size, logprobs)
 
-    def _tail(self, request: Request) -> dict:
+    def _tail(self, requests: list[Request]) -> dict:
         """What closes a response: usage, and the speculative statistics where vLLM puts them."""
-        return {"usage": usage(request),
-                "metrics": {"speculative_decoding": speculative_decoding(request, self.block_size)}}
+        return {"usage": usage(requests),
+                "metrics": {"speculative_decoding": speculative_decoding(requests, self.block_size)}}
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def full(self, request: Request) -> dict:
-        choice = {"index": 0, "finish_reason": request.finish_reason,
-                  "logprobs": self.logprobs and self.logprobs.body(request.logprobs)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": request.text}
-        else:
-            choice["text"] = request.text
-        return {**self._head(False), "choices": [choice], **self._tail(request)}
+    def full(self, requests: list[Request], index: list[int] | None = None,
+             counted: list[Request] | None = None) -> dict:
+        """The whole response; index: each request's choice index (default: its position); counted: the requests
+        usage counts (default: these; best_of counts every request it chose from)."""
+        choices = []
+        for i, request in zip(index or range(len(requests)), requests):
+            text = self.logprobs[request.choice] if self.logprobs else None
+            choice = {"index": i, "finish_reason": request.finish_reason,
+                      "logprobs": text and text.body(request.logprobs)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": request.text}
+            else:
+                choice["text"] = request.text
+            choices.append(choice)
+        return {**self._head(False), "choices": choices, **self._tail(counted or requests)}
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              logprobs: list[TokenLogprob] = ()) -> str:
-        choice = {"index": 0, "finish_reason": finish_reason,
-                  "logprobs": self.logprobs.body(logprobs) if self.logprobs and logprobs else None}
+              logprobs: list[TokenLogprob] = (), index: int = 0) -> str:
+        choice = {"index": index, "finish_reason": finish_reason,
+                  "logprobs": self.logprobs[index].body(logprobs) if self.logprobs and logprobs else None}
         if self.chat:
             choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         else:
             choice["text"] = text
         return sse({**self._head(True), "choices": [choice]})
 
-    def usage_chunk(self, request: Request) -> str:
-        return sse({**self._head(True), "choices": [], **self._tail(request)})
+    def usage_chunk(self, requests: list[Request]) -> str:
+        return sse({**self._head(True), "choices": [], **self._tail(requests)})
 
 
 def sse(payload: dict) -> str:

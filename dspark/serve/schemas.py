@@ -3,7 +3,7 @@
 Unknown fields are refused with 400 (as the OpenAI API does: "Unrecognized request argument"). Sampling takes
 OpenAI's top_p, presence_penalty, frequency_penalty and logit_bias and vLLM's top_k, min_p and repetition_penalty, in
 their ranges (dspark.runtime.sampling). OpenAI fields this server does not implement are accepted only at their
-neutral values (n=1, no echo), so a client never gets silently different sampling than it asked for.
+neutral values (no echo), so a client never gets silently different sampling than it asked for.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dspark.runtime.sampling import BIAS_LIMIT, MAX_REPETITION, PENALTY_LIMIT
 
 MAX_PROMPT_CHARS = 200_000
 MAX_PROMPT_IDS = 65_536
+MAX_CHOICES = 128  # n and best_of
 MAX_BIASED = 1024  # logit_bias entries (OpenAI takes up to 300)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
@@ -42,7 +43,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     policy: Literal["ar", "default"] = "default"  # dspark: decode this request autoregressively
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
-    n: Literal[1] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1  # at most the server's batch slots (the app checks)
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=0)] = 0  # vLLM's; 0: off
     min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 0.0  # vLLM's
@@ -77,7 +78,7 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[
         list[StrictInt], Field(max_length=MAX_PROMPT_IDS)]
     echo: Literal[False] = False
-    best_of: Literal[1] = 1
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None  # default: n
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # the OpenAI default for completions
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top alternatives per token
 

@@ -32,7 +32,7 @@ GOOD = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, "temperature": 0}
     ({**GOOD, "prompt": [1, 99]}, "prompt"),  # token id beyond the vocabulary
     ({**GOOD, "prompt": "   "}, "prompt"),
     ({**GOOD, "prompt": []}, "prompt"),
-    ({**GOOD, "n": 2}, "n"),
+    ({**GOOD, "n": 3}, "n"),  # more choices than the server's 2 slots
     ({**GOOD, "stop": ["a"] * 9}, "stop"),
     ({**GOOD, "frobnicate": True}, "frobnicate"),  # unknown fields are refused, as the OpenAI API does
     ([GOOD], None),
