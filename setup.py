@@ -15,10 +15,11 @@ EXPORT = [
 ]
 TRT = ["tensorrt>=10", "cuda-python>=12"]
 RTX = ["tensorrt-rtx-cu13>=1.7,<1.8", "cuda-python>=12"]  # dspark-export build --flavor rtx (builds without a GPU)
-SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"]  # dspark serve
+# dspark serve; llguidance: structured outputs (response_format), also through the Python API
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20", "llguidance>=1.0"]
 # tensorrt-rtx-cu13: CI builds real engines with TensorRT for RTX (its builder needs no GPU); pinned to the minor
 # release whose loader work-around dspark.trt.rtx_libs was measured on
-DEV = ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "tensorrt-rtx-cu13>=1.7,<1.8"]
+DEV = ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "jsonschema>=4", "tensorrt-rtx-cu13>=1.7,<1.8"]
 # the serving tests: the server, the official openai client, tritonclient (the tritonserver binary of
 # nvidia-pytriton pins numpy<2, so tests/serve/test_triton.py installs it into a venv of its own)
 DEV += SERVE + ["openai>=1.30", "httpx>=0.27", "tritonclient[grpc]>=2.40"]

@@ -8,12 +8,11 @@ the two take turns; time to the last choice's first token and to the last token,
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
-from common import dev_rows, machine, write_json
+from common import demo_parser, dev_rows, machine, write_json
 from dspark.demo import demo_bundle_path
 from dspark.runtime import Runtime
 from dspark.runtime.engine import Engine, EngineOptions
@@ -28,13 +27,9 @@ def _timed(requests: list, t0: float) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", help="default: the demo bundle (`dspark demo` makes it)")
-    ap.add_argument("--prompts", type=int, default=3)
+    ap = demo_parser(__doc__, "bench/results/choices_cost.json", prompts=3, max_tokens=32)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=8)
-    ap.add_argument("--out", default="bench/results/choices_cost.json")
     args = ap.parse_args()
     bundle = args.bundle or demo_bundle_path("gguf")
     rt = Runtime(bundle)

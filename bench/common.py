@@ -1,6 +1,7 @@
 """Shared helpers for the benchmark scripts (prompt selection, stats, JSON output)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -109,3 +110,13 @@ def bandwidth_gb_s() -> float:
         np.copyto(b, a)
         best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
     return best
+
+
+def demo_parser(doc: str, out: str, prompts: int, max_tokens: int) -> argparse.ArgumentParser:
+    """The options of a benchmark on a bundle (the demo's by default) over a few dev prompts."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", help="default: the demo bundle (`dspark demo` makes it)")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--out", default=out)
+    return ap

@@ -32,19 +32,20 @@ class ChatTokenizer:
     folder: Path
     confined: bool = False
 
-    def _file(self, name: str) -> Path:
+    def file(self, name: str) -> Path:
+        """A file of the tokenizer's folder (confined: inside it)."""
         return contained(self.folder, name) if self.confined else self.folder / name
 
     def __post_init__(self):
-        path = self._file("tokenizer.json")
+        path = self.file("tokenizer.json")
         if not path.exists():
             raise DSparkError(f"{self.folder} has no tokenizer.json")
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:
             raise DSparkError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-        self.config = _load_json(self._file("tokenizer_config.json"))
-        template_file = self._file("chat_template.jinja")
+        self.config = _load_json(self.file("tokenizer_config.json"))
+        template_file = self.file("chat_template.jinja")
         self.chat_template = read_text(template_file) if template_file.exists() else self.config.get("chat_template")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise DSparkError(f"{self.folder}: chat_template must be text, not {type(self.chat_template).__name__}")
@@ -55,7 +56,7 @@ class ChatTokenizer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """generation_config.json eos_token_id (int or list), else the tokenizer's eos token."""
-        eos = _load_json(self._file("generation_config.json")).get("eos_token_id")
+        eos = _load_json(self.file("generation_config.json")).get("eos_token_id")
         if eos is None and isinstance(self.eos_token, str):
             eos = self.tok.token_to_id(self.eos_token)
         if eos is None:

@@ -24,6 +24,7 @@ from dspark.runtime.backend import Backend, create_backend
 from dspark.runtime.decoder import Decoder
 from dspark.runtime.results import RequestResult, StepTimes
 from dspark.runtime.gate import GateMemory
+from dspark.runtime.grammar import GrammarTokenizer
 from dspark.runtime.observers import RoundObserver
 from dspark.runtime.options import DecodeOptions
 from dspark.tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -78,6 +79,7 @@ class Runtime:
         self.manifest = Manifest.read_checked(self.folder)  # a damaged graph or weights file never decodes
         self.tokenizer = ChatTokenizer(self.folder, confined=True)
         self.gates = GateMemory()  # what the draft gate learned (costs, survival, back-off) outlives one decode
+        self._grammars: GrammarTokenizer | None = None
         if isinstance(backend, Backend):
             self.backend = backend
         else:
@@ -92,6 +94,15 @@ class Runtime:
 
     def close(self) -> None:
         self.backend.close()
+
+    @property
+    def grammars(self) -> GrammarTokenizer:
+        """What compiles structured-output grammars for this bundle's tokenizer (built on first use):
+        `rt.grammars.json_schema(schema)` for DecodeOptions(grammar=) and RequestOptions(grammar=)."""
+        if self._grammars is None:
+            self._grammars = GrammarTokenizer(self.tokenizer.file("tokenizer.json"),
+                                              self.manifest.target["vocab_size"], list(self.manifest.stop_token_ids))
+        return self._grammars
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text goes through the chat template; a list of ids is used as is."""

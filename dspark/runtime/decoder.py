@@ -53,7 +53,8 @@ class Decoder:
                            threshold_rule=options.threshold_rule, observers=(self.timer, *observers))
         ids = request_ids or list(range(len(prompts)))
         self.requests = [SlotRequest(i, list(p), options.max_tokens, options.temperature, options.seed, ids[i],
-                                     ar=options.ar, sampling=options.sampling, logprobs=options.logprobs)
+                                     ar=options.ar, sampling=options.sampling, logprobs=options.logprobs,
+                                     grammar=options.grammar)
                          for i, p in enumerate(prompts)]
         self.results = [r.result for r in self.requests]
         for i, why in refused.items():

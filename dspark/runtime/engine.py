@@ -111,9 +111,11 @@ class Engine:
         if options.max_tokens > room:
             raise DSparkError(f"prompt of {len(prompt_ids)} tokens + max_tokens {options.max_tokens} does not fit "
                               f"the context of {self.capacity} positions (at most {max(room, 0)} new tokens)")
-        check_sampling(self.slots.sampling, options.sampling, self.runtime.backend.kind)
+        constrained = options.grammar is not None
+        check_sampling(self.slots.sampling, options.sampling, self.runtime.backend.kind, constrained)
         if options.logprobs is not None:
-            check_logprobs(self.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS))
+            check_logprobs(self.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS,
+                                                              constrained))
         if options.policy is None:
             return self.policy.is_ar
         asked = VerifyPolicy.parse(options.policy)
@@ -237,7 +239,8 @@ class Engine:
             self._decoding[request.id] = SlotRequest(request.id, request.prompt_ids, options.max_tokens,
                                                      options.temperature, options.seed, request.choice,
                                                      ar=request.ar, sampling=options.sampling,
-                                                     logprobs=options.logprobs, shares_prompt_with=first)
+                                                     logprobs=options.logprobs, shares_prompt_with=first,
+                                                     grammar=options.grammar)
             self.slots.add(self._decoding[request.id])
         self._deliver(self.slots.step())
         self._forget_finished()
@@ -262,6 +265,9 @@ class Engine:
                 request.committed.append(result.committed[-1])
                 request.proposed.append(result.proposed[-1])
                 request.accepted.append(result.accepted[-1])
+            if result.error is not None:  # this request alone failed (a grammar's dead end)
+                self._finish(request, "error", error=result.error)
+                continue
             piece, stopped = request.stop_text.add(event.token_ids)
             if stopped or event.done:
                 result.done = True  # a stop string frees the slot at the next boundary

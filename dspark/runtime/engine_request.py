@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from dspark.errors import DSparkError
+from dspark.runtime.grammar import Grammar
 from dspark.runtime.logprobs import TokenLogprob, check_top_logprobs
 from dspark.runtime.options import check_seed, check_temperature, check_tokens
 from dspark.runtime.sampling import NEUTRAL, SamplingParams
@@ -26,7 +27,8 @@ class RequestOptions:
     this request autoregressively inside a drafting batch (exact; same tokens as `dspark run --ar`).
     sampling: top_k, top_p, min_p, penalties, logit_bias (dspark.runtime.sampling).
     logprobs: None, or each token's log-probability with its position's `logprobs` most likely tokens (0..20),
-    delivered with the deltas (dspark.runtime.logprobs)."""
+    delivered with the deltas (dspark.runtime.logprobs). grammar: what the tokens must parse as
+    (Engine.grammar_tokenizer().json_schema(...), dspark.runtime.grammar)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -35,6 +37,7 @@ class RequestOptions:
     policy: str | None = None
     sampling: SamplingParams = NEUTRAL
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         check_top_logprobs(self.logprobs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.errors import DSparkError
+from dspark.runtime.grammar import Grammar
 from dspark.runtime.logprobs import check_top_logprobs
 from dspark.runtime.sampling import NEUTRAL, SamplingParams
 from dspark.runtime.scheduler import VerifyPolicy
@@ -26,7 +27,8 @@ class DecodeOptions:
         --confidence-threshold: cut at the first position whose own confidence is below it.
     sampling: top_k, top_p, min_p, penalties and logit_bias (dspark.runtime.sampling), lossless like temperature.
     logprobs: None, or each token's log-probability under the processed target distribution with its position's
-        `logprobs` most likely tokens (0..20) in RequestResult.logprobs (dspark.runtime.logprobs)."""
+        `logprobs` most likely tokens (0..20) in RequestResult.logprobs (dspark.runtime.logprobs).
+    grammar: what every request's tokens must parse as (rt.grammars.json_schema(...), dspark.runtime.grammar)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -36,6 +38,7 @@ class DecodeOptions:
     threshold_rule: str = "cumulative"
     sampling: SamplingParams = NEUTRAL
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         if isinstance(self.policy, str):

@@ -1,6 +1,7 @@
 """What a decode hands back: per-request results, per-stage times, and the events a decode yields."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,11 @@ class RequestResult:
     @property
     def tau(self) -> float:
         return float(np.mean(self.committed)) if self.committed else 0.0
+
+    def fail(self, error: str) -> None:
+        """End a running request with an error (it alone)."""
+        self.error, self.done = error, True
+        self.seconds = time.perf_counter() - self.started
 
     @property
     def tokens_per_s(self) -> float:

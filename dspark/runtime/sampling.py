@@ -100,10 +100,11 @@ class SamplingRows:
         self._rows = ("top_k", "top_p", "min_p", "repetition", "presence", "frequency", "counts",
                       "prompt_seen", "bias")
 
-    def open(self, slot: int, params: SamplingParams, prompt_ids: list[int], greedy: bool) -> None:
+    def open(self, slot: int, params: SamplingParams, prompt_ids: list[int], greedy: bool,
+             constrained: bool = False) -> None:
         """A request (its parameters checked by check_sampling) takes the slot; a slot that is off keeps stale rows,
-        which nothing reads."""
-        self.on[slot] = runs_sampler(params, greedy)  # else: the verifier's own rule
+        which nothing reads. constrained: a grammar masks the request's logits (dspark.runtime.grammar)."""
+        self.on[slot] = runs_sampler(params, greedy, constrained)  # else: the verifier's own rule
         if not self.on[slot]:
             return
         self.top_k[slot], self.top_p[slot], self.min_p[slot] = params.top_k, params.top_p, params.min_p
@@ -144,10 +145,10 @@ class SamplingRows:
                 **{name: host(verifier_feeds[name])[rows] for name in STEP_INPUTS}, **self.feeds(slots)}
 
 
-def runs_sampler(params: SamplingParams, greedy: bool) -> bool:
-    """Whether a request's rows are accepted by the sampler graph: a greedy request's only where its parameters can
-    move the argmax."""
-    return params.moves_argmax if greedy else not params.neutral
+def runs_sampler(params: SamplingParams, greedy: bool, constrained: bool = False) -> bool:
+    """Whether a request's rows are accepted by the sampler graph: a constrained request's always (its logits are
+    masked), a greedy request's where its parameters can move the argmax."""
+    return constrained or (params.moves_argmax if greedy else not params.neutral)
 
 
 def judged_tokens(tokens: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
@@ -159,9 +160,13 @@ def judged_tokens(tokens: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
 STEP_INPUTS = ("verify_len", "temperature", "accept_noise", "sample_noise", "draft_probs")  # the verifier's, again
 
 
-def check_sampling(rows: SamplingRows, params: SamplingParams, backend: str) -> None:
+def check_sampling(rows: SamplingRows, params: SamplingParams, backend: str, constrained: bool = False) -> None:
     """DSparkError unless slots with these sampling rows (of no vocabulary: no sampler graph) can sample with
-    `params`."""
+    `params` (constrained: under a grammar)."""
+    if constrained and not rows.vocab:
+        raise DSparkError(f"this bundle or backend ({backend}) runs no sampler graph, which structured outputs "
+                          f"need: re-export the bundle with this dspark (`dspark-export onnx`) and run it on "
+                          f"onnxruntime")
     if params.neutral:
         return
     if not rows.vocab:

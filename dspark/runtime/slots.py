@@ -38,11 +38,12 @@ from dspark.runtime.backend import Backend, host
 from dspark.runtime.gate import DraftGate
 from dspark.runtime.kv import HostKV, HostRows, move_kv, move_rows
 from dspark.runtime.observers import CONFIDENCE, TAPS, PrefillRecord, RoundObserver, RoundRecord
+from dspark.runtime.grammar import GrammarRows
 from dspark.runtime.logprobs import StepLogprobs, check_logprobs
 from dspark.runtime.results import Event
 from dspark.runtime.rows import Rows
 from dspark.runtime.sampling import SamplingRows, check_sampling, runs_sampler
-from dspark.runtime.slot_request import Slot, SlotRequest
+from dspark.runtime.slot_request import Slot, SlotRequest, choices_queued
 from dspark.runtime.step_graphs import StepGraphs, Verified
 from dspark.runtime.scheduler import RoundPlanner, VerifyPolicy
 
@@ -68,7 +69,8 @@ class Slots:
         self.top_logprobs = np.full(batch, -1, dtype=np.int64)  # -1: no logprobs
         # top_k, top_p, min_p, penalties, logit_bias: only with a sampler graph (else rows of no vocabulary)
         self.sampling = SamplingRows(batch, t["vocab_size"] if backend.sampler is not None else 0)
-        self.graphs = StepGraphs(backend, self.sampling, self.top_logprobs, kv_output_names(t))
+        self.grammar = GrammarRows(batch, t["vocab_size"])  # response_format: per-slot matchers
+        self.graphs = StepGraphs(backend, self.sampling, self.top_logprobs, self.grammar, kv_output_names(t))
         self.planner = RoundPlanner(policy, batch, manifest.calibration.get("sps_table"), threshold_rule,
                                     manifest.acceptance_prior())
         self.gate = gate
@@ -80,8 +82,8 @@ class Slots:
         self.narrows = isinstance(self.kv, HostKV) and isinstance(self.draft_kv, HostKV) \
             and isinstance(self.ctx, HostRows)
         whole = Rows(batch, self.kv, self.draft_kv, self.ctx, self.temperature, self.anchor, self.ar, self.occupied,
-                     self.top_logprobs, backend.zeros((batch, 1, t["vocab_size"]), dtype=np.float32), np.zeros(batch, dtype=np.int64),
-                     np.zeros((batch, 1), dtype=np.int64))
+                     self.top_logprobs, backend.zeros((batch, 1, t["vocab_size"]), dtype=np.float32),
+                     np.zeros(batch, dtype=np.int64), np.zeros((batch, 1), dtype=np.int64))
         self._rows = {batch: whole}
         if self.narrows:
             self._rows.update({n: whole.leading(n) for n in range(1, batch)})
@@ -97,9 +99,11 @@ class Slots:
 
     def add(self, request: SlotRequest) -> None:
         """Queue a request; a step admits it when a slot is free."""
-        check_sampling(self.sampling, request.sampling, self.backend.kind)
+        constrained = request.grammar is not None
+        check_sampling(self.sampling, request.sampling, self.backend.kind, constrained)
         if request.logprobs is not None:
-            check_logprobs(self.backend, runs_sampler(request.sampling, request.temperature < GREEDY_EPS))
+            check_logprobs(self.backend, runs_sampler(request.sampling, request.temperature < GREEDY_EPS,
+                                                      constrained))
         self.queue.append(request)
 
     def cancel(self, request: SlotRequest) -> None:
@@ -154,7 +158,7 @@ class Slots:
                 break
             group, longest = [], 0
             while len(group) < len(free) and self.queue:
-                nxt, size = len(self.queue[0].prompt_ids), self._choices_queued()  # a request's choices go together
+                nxt, size = len(self.queue[0].prompt_ids), choices_queued(self.queue)  # a request's choices go together
                 if len(group) + size > len(free) or (
                         group and max(longest, nxt) * (len(group) + 1) > self.prefill_tokens):
                     break
@@ -166,13 +170,6 @@ class Slots:
         if self.narrows:
             self._compact()
         return events
-
-    def _choices_queued(self) -> int:
-        """The queue's first request and the other choices of its prompt queued right behind it (n > 1)."""
-        head, size = self.queue[0], 1
-        while size < len(self.queue) and self.queue[size].shares_prompt_with is head:
-            size += 1
-        return size
 
     def _prefill(self, slots: list[int], requests: list[SlotRequest]) -> list:
         """One verifier call on an empty dummy cache; each prompt's K/V are then written into its slot's cache.
@@ -210,7 +207,8 @@ class Slots:
                 self.anchor[slot] = request.prompt_ids[-1]
             else:
                 self.anchor[slot] = step.next_token[i]
-                events.append(self._event(slot, request, [int(step.next_token[i])], step.logprobs, i))
+                events.append(self._dead_end(request) if i in step.dead_ends else
+                              self._event(slot, request, [int(step.next_token[i])], step.logprobs, i))
         for slot, request in copies:
             move_kv(self.kv, cut[id(request.shares_prompt_with)], slot, keep=True)
             move_rows(self.ctx, cut[id(request.shares_prompt_with)], slot, keep=True)
@@ -225,7 +223,9 @@ class Slots:
                                                                                           request.stream))
         self.temperature[slot], self.ar[slot], self.occupied[slot] = request.temperature, request.ar, True
         self.top_logprobs[slot] = -1 if request.logprobs is None else request.logprobs
-        self.sampling.open(slot, request.sampling, request.prompt_ids, request.temperature < GREEDY_EPS)
+        self.sampling.open(slot, request.sampling, request.prompt_ids, request.temperature < GREEDY_EPS,
+                           request.grammar is not None)
+        self.grammar.open(slot, request.grammar)
         self.kv.commit(slot, 0)
         self.draft_kv.commit(slot, 0)
         self.ctx.count[slot] = 0
@@ -252,6 +252,7 @@ class Slots:
             for array in (self.temperature, self.anchor, self.ar, self.occupied, self.top_logprobs):
                 array[dst] = array[src]
             self.sampling.move(src, dst)
+            self.grammar.move(src, dst)
             self.occupied[src] = False
             self.slots[dst], self.slots[src] = self.slots[src], Slot()
 
@@ -282,7 +283,8 @@ class Slots:
         if self.gate is not None:
             self.gate.observe_verify(b * t, record.verify_seconds)  # the positions this step computed
         record.accepted = step.accepted
-        events = [self._commit(rows, int(slot), drafts, int(record.verify_len[slot]), t, step)
+        events = [self._dead_end(self.slots[slot].request) if slot in step.dead_ends else
+                  self._commit(rows, int(slot), drafts, int(record.verify_len[slot]), t, step)
                   for slot in np.flatnonzero(live)]
         if TAPS in self._wants:
             record.taps = host(step.taps)
@@ -323,7 +325,10 @@ class Slots:
         if self.gate is not None:
             self.gate.observe(survival, drafting, t2 - t0)
         verify_len = self.planner.after(survival, drafting, heads["verify_len"].numpy())
-        return heads["draft_tokens"].numpy(), rows.no_drafts if greedy else heads["draft_probs"], verify_len
+        drafts = heads["draft_tokens"].numpy()
+        for slot in np.flatnonzero(drafting):  # a constrained request verifies up to the first draft it refuses
+            verify_len[slot] = self.grammar.verified(int(slot), drafts[slot], int(verify_len[slot]))
+        return drafts, rows.no_drafts if greedy else heads["draft_probs"], verify_len
 
     def _commit(self, rows: Rows, slot: int, drafts: np.ndarray, verified: int, t: int, step: Verified) -> Event:
         """One slot's round: accepted drafts + the verifier's next token, cut at a stop token."""
@@ -352,9 +357,16 @@ class Slots:
                row: int) -> Event:
         """Tokens committed to a request (row: its row of the step), with their log-probabilities where asked."""
         out, top = self._take(slot, request, tokens), int(self.top_logprobs[slot])
+        self.grammar.advance(slot, out, self.stop_ids)
         entries = None if top < 0 or logprobs is None else logprobs.entries(row, out, top)
         request.result.logprobs += entries or []
         return Event(request.id, out, request.result.done, entries)
+
+    @staticmethod
+    def _dead_end(request: SlotRequest) -> Event:
+        """A constrained request whose grammar allows no token: it ends with an error; the others go on."""
+        request.result.fail("the grammar allows no token at this point (an unsatisfiable schema?)")
+        return Event(request.id, [], True)
 
     def _take(self, slot: int, request: SlotRequest, tokens: list[int]) -> list[int]:
         """Append tokens to the request up to a stop token or its max_tokens; returns what was appended."""

@@ -18,7 +18,8 @@ from dspark.noise import GREEDY_EPS
 from dspark.runtime.engine import EngineClosed, QueueFull
 from dspark.runtime.engine_request import Delta, Request, RequestOptions
 from dspark.runtime.logprobs import check_logprobs
-from dspark.runtime.sampling import SamplingParams, check_sampling, runs_sampler
+from dspark.runtime.grammar import Grammar
+from dspark.runtime.sampling import NEUTRAL, SamplingParams, check_sampling, runs_sampler
 from dspark.serve.limits import BodyLimit
 from dspark.serve.logprobs import LogprobText
 from dspark.serve.responses import DONE, ApiError, Shape, sse
@@ -94,7 +95,7 @@ def _error_handlers(app: FastAPI, state: ServerState) -> None:
         if first.get("type") == "json_invalid":
             return invalid("the body is not valid JSON")
         if first.get("type") == "extra_forbidden":
-            return invalid(f"Unrecognized request argument supplied: {loc[-1]}", param=loc[-1])
+            return invalid(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc))
         return invalid(f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", param=".".join(loc) or None)
 
     @app.exception_handler(DSparkError)
@@ -138,7 +139,7 @@ def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], ma
     sampling = _sampling(state, body)
     options = RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
                              stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
-                             sampling=sampling, logprobs=body.top_logprobs_wanted)
+                             sampling=sampling, logprobs=body.top_logprobs_wanted, grammar=_grammar(state, body))
     if options.logprobs is not None:
         _logprobs_ok(state, options, "logprobs")
     return options
@@ -164,6 +165,24 @@ def _sampling(state: ServerState, body: SamplingFields) -> SamplingParams:
         first = next((name for name in SAMPLING_FIELDS if getattr(body, name) != getattr(NEUTRAL_BODY, name)), None)
         raise ApiError(400, str(e), param=first) from None
     return params
+
+
+def _grammar(state: ServerState, body: SamplingFields) -> Grammar | None:
+    """response_format as a grammar (None: free text); 400 naming it for a schema the grammar engine cannot
+    compile, or a bundle that cannot decode under one."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.json_schema is None):
+        raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    try:
+        check_sampling(state.engine.slots.sampling, NEUTRAL, state.runtime.backend.kind, constrained=True)
+        grammars = state.runtime.grammars
+        if fmt.type == "json_object":
+            return grammars.json_object()
+        return grammars.json_schema(fmt.json_schema.json_schema)
+    except DSparkError as e:
+        raise ApiError(400, str(e), param="response_format") from None
 
 
 async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields, prompt_ids: list[int],
@@ -203,7 +222,8 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
 def _logprobs_ok(state: ServerState, options: RequestOptions, param: str) -> None:
     """400 naming `param` unless the backend gives log-probabilities for a request with these options."""
     try:
-        check_logprobs(state.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS))
+        check_logprobs(state.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS,
+                                                           options.grammar is not None))
     except DSparkError as e:
         raise ApiError(400, str(e), param=param) from None
 

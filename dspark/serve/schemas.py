@@ -31,6 +31,21 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[StrictStr, Field(max_length=64)]
+    description: StrictStr | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # dspark always decodes to the schema (what strict asks for)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema (values of a schema)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -52,6 +67,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[Number, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] = 0.0
     logit_bias: Annotated[dict[StrictStr, Annotated[Number, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]],
                           Field(max_length=MAX_BIASED)] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      mode="before")

@@ -60,6 +60,28 @@ def tiny_tokenizer_folder(folder, vocab: int, stop_id: int | None = None):
     return folder
 
 
+def tiny_byte_tokenizer_folder(folder):
+    """A byte-level BPE tokenizer without merges: ids 0..255 are the bytes (as byte-level BPE spells them), 256 is
+    the stop token; grammars (JSON) can be written in it, so structured outputs run on tiny random models."""
+    from tokenizers import AddedToken, decoders
+
+    from dspark.tokenizer import BYTE_OF_CHAR
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE({char: byte for char, byte in BYTE_OF_CHAR.items()}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": BYTE_VOCAB - 1}))
+    return folder
+
+
+BYTE_VOCAB = 257  # tiny_byte_tokenizer_folder's
+
+
 class TinyLoaded:
     """Stands in for LoadedTarget when exporting a tiny in-memory pair."""
 
@@ -72,11 +94,13 @@ class TinyLoaded:
         return [p for p in self.folder.iterdir() if p.is_file()]
 
 
-def tiny_bundle(out, family="qwen3", vocab=16, stop_id=None, **kw):
-    """Export a tiny random pair to `out`; returns (hf, target, drafter, bundle_path)."""
-    hf, target, drafter = tiny_pair(family, vocab=vocab, **kw)
+def tiny_bundle(out, family="qwen3", vocab=16, stop_id=None, byte_tokens=False, **kw):
+    """Export a tiny random pair to `out`; returns (hf, target, drafter, bundle_path). byte_tokens: a byte-level
+    tokenizer (vocab BYTE_VOCAB, stop token 256) instead of words."""
+    hf, target, drafter = tiny_pair(family, vocab=BYTE_VOCAB if byte_tokens else vocab, **kw)
     out = Path(out)
-    tokdir = tiny_tokenizer_folder(out.parent / f"{out.name}-tokenizer", vocab, stop_id)
+    tokdir = tiny_byte_tokenizer_folder(out.parent / f"{out.name}-tokenizer") if byte_tokens else \
+        tiny_tokenizer_folder(out.parent / f"{out.name}-tokenizer", vocab, stop_id)
     pair = Pair(loaded=TinyLoaded(hf, tokdir), target=target, drafter=drafter, draft_source="random")
     export_bundle(pair, out, max_context=256, force=True, quiet=True)
     return hf, target, drafter, out
