@@ -25,6 +25,7 @@ from dspark.serve.logprobs import LogprobText
 from dspark.serve.responses import DONE, ApiError, Shape, sse
 from dspark.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
 from dspark.serve.state import ServerState
+from dspark.serve.tools import ToolCalls, template_messages, template_tools, tool_calls
 
 SAMPLING_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias")
@@ -70,9 +71,20 @@ def create_app(state: ServerState) -> FastAPI:
         _engine(state, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        prompt_ids = state.chat.encode([{"role": m.role, "content": m.text} for m in body.messages])
+        try:
+            reader, grammar = tool_calls(body, lambda: state.runtime.grammars)
+        except DSparkError as e:
+            raise ApiError(400, str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
+        try:
+            messages = template_messages(body.messages)
+        except DSparkError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        if grammar is not None and body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, "a forced tool call and response_format cannot both shape the output",
+                           param="response_format")
+        prompt_ids = state.chat.encode(messages, template_tools(body))
         return await _generate(state, http, body, prompt_ids, body.max_completion_tokens or body.max_tokens,
-                               chat=True)
+                               chat=True, grammar=grammar, tools=reader)
 
     return app
 
@@ -126,7 +138,8 @@ def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
     return ids
 
 
-def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None):
+def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+             grammar: Grammar | None = None):
     room = state.engine.max_tokens_for(len(prompt_ids))
     if room < 1:
         raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
@@ -139,7 +152,8 @@ def _options(state: ServerState, body: SamplingFields, prompt_ids: list[int], ma
     sampling = _sampling(state, body)
     options = RequestOptions(max_tokens=max_tokens or room, temperature=float(body.temperature), seed=seed,
                              stop=body.stop_strings, policy=None if body.policy == "default" else body.policy,
-                             sampling=sampling, logprobs=body.top_logprobs_wanted, grammar=_grammar(state, body))
+                             sampling=sampling, logprobs=body.top_logprobs_wanted,
+                             grammar=grammar or _grammar(state, body))
     if options.logprobs is not None:
         _logprobs_ok(state, options, "logprobs")
     return options
@@ -186,8 +200,8 @@ def _grammar(state: ServerState, body: SamplingFields) -> Grammar | None:
 
 
 async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields, prompt_ids: list[int],
-                    max_tokens: int | None, chat: bool):
-    options = _options(state, body, prompt_ids, max_tokens)
+                    max_tokens: int | None, chat: bool, grammar: Grammar | None = None, tools: ToolCalls | None = None):
+    options = _options(state, body, prompt_ids, max_tokens, grammar)
     n, best_of = body.n, getattr(body, "best_of", None) or body.n
     if best_of < n:
         raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
@@ -211,7 +225,7 @@ async def _generate(state: ServerState, http: HttpRequest, body: SamplingFields,
         raise ApiError(503, str(e), "server_error", code="shutting_down") from None
     logprobs = None if body.top_logprobs_wanted is None else [LogprobText(state.runtime.tokenizer, chat)
                                                                for _ in range(best_of)]
-    shape = Shape.new(chat, state.config.model_name, requests, state.metrics.block_size, logprobs)
+    shape = Shape.new(chat, state.config.model_name, requests, state.metrics.block_size, logprobs, tools)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_events(requests, deltas, shape, include_usage), media_type="text/event-stream",
@@ -279,7 +293,10 @@ async def _events(requests: list[Request], deltas: asyncio.Queue, shape: Shape, 
                                  "server_error")
                 yield sse(error.body())
                 break
-            if delta.text or delta.finish_reason:
+            if shape.tools is not None:  # the output is read for tool calls once whole
+                if delta.finish_reason:
+                    yield shape.final_chunk(requests[i], i)
+            elif delta.text or delta.finish_reason:
                 yield shape.chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs, index=i)
             finished += bool(delta.finish_reason)
         else:

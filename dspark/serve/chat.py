@@ -20,15 +20,16 @@ class ChatRenderer:
     def _refuse(message: str):
         raise DSparkError(f"chat template refused the conversation: {message}")
 
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation with the assistant's turn opened. A single user message gives the ids
-        `dspark run --prompt` decodes."""
-        if not any(m["content"].strip() for m in messages):
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the conversation with the assistant's turn opened (tools: the functions the model may call,
+        for templates that describe them). A single user message gives the ids `dspark run --prompt` decodes."""
+        if not any(m["content"].strip() or m.get("tool_calls") for m in messages):
             raise DSparkError("empty prompt: the messages hold no text")
         if self.template is None:
             text = "\n".join(m["content"] for m in messages)
         else:
             t = self.tokenizer
+            extra = {"tools": tools} if tools else {}
             text = self.template.render(messages=messages, add_generation_prompt=True, enable_thinking=False,
-                                        bos_token=t.bos_token or "", eos_token=t.eos_token or "")
+                                        bos_token=t.bos_token or "", eos_token=t.eos_token or "", **extra)
         return self.tokenizer.encode(text)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from dspark.runtime.engine_request import Request
 from dspark.runtime.logprobs import TokenLogprob
 from dspark.serve.logprobs import LogprobText
+from dspark.serve.tools import ToolCalls
 
 
 class ApiError(Exception):
@@ -63,12 +64,13 @@ class Shape:
     created: int
     block_size: int  # the bundle's: the most drafts a round verifies
     logprobs: list[LogprobText] | None = None  # one per choice, where the request asked for logprobs
+    tools: ToolCalls | None = None  # a chat request with tools: its output is read for tool calls
 
     @classmethod
     def new(cls, chat: bool, model: str, requests: list[Request], block_size: int,
-            logprobs: list[LogprobText] | None = None) -> "Shape":
+            logprobs: list[LogprobText] | None = None, tools: ToolCalls | None = None) -> "Shape":
         return cls(chat, model, f"{'chatcmpl' if chat else 'cmpl'}-{requests[0].id}", int(time.time()),
-                   block_size, logprobs)
+                   block_size, logprobs, tools)
 
     def _tail(self, requests: list[Request]) -> dict:
         """What closes a response: usage, and the speculative statistics where vLLM puts them."""
@@ -89,7 +91,9 @@ class Shape:
             choice = {"index": i, "finish_reason": request.finish_reason,
                       "logprobs": text and text.body(request.logprobs)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": request.text}
+                content, calls = self._read(request)
+                choice["message"] = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choice["finish_reason"] = "tool_calls" if calls else request.finish_reason
             else:
                 choice["text"] = request.text
             choices.append(choice)
@@ -103,6 +107,21 @@ class Shape:
             choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         else:
             choice["text"] = text
+        return sse({**self._head(True), "choices": [choice]})
+
+    def _read(self, request: Request) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a finished chat choice."""
+        if self.tools is None or request.finish_reason != "stop":
+            return request.text, []
+        return self.tools.read(request.text)
+
+    def final_chunk(self, request: Request, index: int) -> str:
+        """A chat choice read for tool calls, in one chunk once finished: its content or its calls."""
+        content, calls = self._read(request)
+        delta = {"role": "assistant"} | ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
+                                         else {"content": content})
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": "tool_calls" if calls else request.finish_reason}
         return sse({**self._head(True), "choices": [choice]})
 
     def usage_chunk(self, requests: list[Request]) -> str:

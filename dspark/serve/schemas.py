@@ -18,6 +18,7 @@ from dspark.runtime.sampling import BIAS_LIMIT, MAX_REPETITION, PENALTY_LIMIT
 MAX_PROMPT_CHARS = 200_000
 MAX_PROMPT_IDS = 65_536
 MAX_CHOICES = 128  # n and best_of
+MAX_TOOLS = 128
 MAX_BIASED = 1024  # logit_bias entries (OpenAI takes up to 300)
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
@@ -109,20 +110,68 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+ToolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: ToolName
+    arguments: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]  # JSON text, as the API sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[StrictStr, Field(max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Annotated[StrictStr, Field(max_length=256)] | None = None  # a tool's answer to that call
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: ToolName
+    description: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: StrictBool | None = None  # dspark always decodes a forced call to the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: ToolName
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1, max_length=256)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: StrictBool | None = None  # a forced call is one call
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 

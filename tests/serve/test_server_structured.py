@@ -75,3 +75,71 @@ def test_schemas_that_cannot_be_compiled_get_a_400_naming_response_format(server
     error = error_of(post(server, {"model": "tiny", "prompt": "a", "max_tokens": 4, "response_format": fmt}), 400)
     assert error["param"].split(".")[0] == "response_format", error
     assert post(server, {"model": "tiny", "prompt": "a", "max_tokens": 4}).status_code == 200
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call_round_trips_through_the_client(client):
+    messages = [{"role": "user", "content": "weather?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME],
+                                           tool_choice="required", max_tokens=120, temperature=1, seed=2)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    answer = client.chat.completions.create(
+        model="tiny", tools=[WEATHER, TIME], max_tokens=8, temperature=0,
+        messages=[*messages, choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    named = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], max_tokens=120,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+
+
+def test_a_streamed_forced_tool_call_comes_whole_at_the_end(client):
+    chunks = [c for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "t"}], tools=[TIME], tool_choice="required",
+        max_tokens=60, stream=True) if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    assert json.loads(calls[0].function.arguments)["zone"] in ("utc", "cet")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_hermes_tool_calls_are_read_from_free_text():
+    from dspark.serve.tools import ToolCalls
+
+    reader = ToolCalls(("f", "g"), forced=False)
+    content, calls = reader.read('Let me look. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+                                 '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    for text in ('<tool_call>{"name": "h", "arguments": {}}</tool_call>', "no call", "<tool_call>{bad</tool_call>"):
+        assert reader.read(text) == (text, [])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strange"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [TIME], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}]}, "messages"),
+])
+def test_bad_tools_get_a_400_naming_the_field(server, extra, param):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **extra}
+    error = error_of(post(server, body, "/v1/chat/completions"), 400)
+    assert error["param"].split(".")[0] == param, error
