@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dspark.errors import DSparkError
+from dspark.files import parse_json
 from dspark.runtime.grammar import Grammar, GrammarTokenizer
 from dspark.serve.schemas import ChatRequest, Message
 
@@ -26,15 +27,11 @@ def template_messages(messages: list[Message]) -> list[dict]:
     for m in messages:
         message = {"role": m.role, "content": m.text}
         if m.tool_calls:
-            calls = []
-            for call in m.tool_calls:
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except json.JSONDecodeError:
-                    raise DSparkError(f"tool call {call.id}: arguments are not JSON") from None
-                calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
-            message["tool_calls"] = calls
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": parse_json(c.function.arguments, f"tool call {c.id}'s arguments")}}
+                for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
@@ -64,8 +61,8 @@ class ToolCalls:
         calls = []
         for block in found:
             try:
-                value = json.loads(block)
-            except json.JSONDecodeError:
+                value = parse_json(block, "a tool call")
+            except DSparkError:  # not a call after all: left as text
                 continue
             if isinstance(value, dict) and value.get("name") in self.names and isinstance(value.get("arguments"),
                                                                                           dict):
