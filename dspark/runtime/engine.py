@@ -24,16 +24,13 @@ from typing import Callable
 
 
 from dspark.errors import DSparkError
-from dspark.noise import GREEDY_EPS
 from dspark.runtime.api import Runtime
 from dspark.runtime.backend import available_memory
 from dspark.runtime.engine_choice import choose
 from dspark.runtime.engine_request import Delta, EngineObserver, Request, RequestOptions, RoundStats, StopText
 from dspark.runtime.gate import new_gate
-from dspark.runtime.logprobs import check_logprobs
 from dspark.runtime.observers import RoundObserver, RoundRecord
 from dspark.runtime.room import max_new_tokens
-from dspark.runtime.sampling import check_sampling, runs_sampler
 from dspark.runtime.scheduler import VerifyPolicy
 from dspark.runtime.slot_request import SlotRequest
 from dspark.runtime.slots import Slots
@@ -111,11 +108,7 @@ class Engine:
         if options.max_tokens > room:
             raise DSparkError(f"prompt of {len(prompt_ids)} tokens + max_tokens {options.max_tokens} does not fit "
                               f"the context of {self.capacity} positions (at most {max(room, 0)} new tokens)")
-        constrained = options.grammar is not None
-        check_sampling(self.slots.sampling, options.sampling, self.runtime.backend.kind, constrained)
-        if options.logprobs is not None:
-            check_logprobs(self.runtime.backend, runs_sampler(options.sampling, options.temperature < GREEDY_EPS,
-                                                              constrained))
+        self.slots.check(options.sampling, options.temperature, options.logprobs, options.grammar is not None)
         if options.policy is None:
             return self.policy.is_ar
         asked = VerifyPolicy.parse(options.policy)

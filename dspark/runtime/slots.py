@@ -99,12 +99,14 @@ class Slots:
 
     def add(self, request: SlotRequest) -> None:
         """Queue a request; a step admits it when a slot is free."""
-        constrained = request.grammar is not None
-        check_sampling(self.sampling, request.sampling, self.backend.kind, constrained)
-        if request.logprobs is not None:
-            check_logprobs(self.backend, runs_sampler(request.sampling, request.temperature < GREEDY_EPS,
-                                                      constrained))
+        self.check(request.sampling, request.temperature, request.logprobs, request.grammar is not None)
         self.queue.append(request)
+
+    def check(self, sampling, temperature: float, logprobs: int | None, constrained: bool) -> None:
+        """DSparkError unless the backend and bundle can decode a request so (constrained: under a grammar)."""
+        check_sampling(self.sampling, sampling, self.backend.kind, constrained)
+        if logprobs is not None:
+            check_logprobs(self.backend, runs_sampler(sampling, temperature < GREEDY_EPS, constrained))
 
     def cancel(self, request: SlotRequest) -> None:
         """Stop a request: a queued one never runs, one in a slot leaves it at the next step."""
@@ -178,8 +180,7 @@ class Slots:
         its own noise (its first token comes from that round)."""
         for slot, request in zip(slots, requests):
             self._open(slot, request)
-        firsts = {id(r.shares_prompt_with) for r in requests if r.shares_prompt_with is not None} \
-            if self.narrows else set()
+        firsts = {id(r.shares_prompt_with) for r in requests if self.narrows and r.shares_prompt_with is not None}
         cut = {id(r): slot for slot, r in zip(slots, requests) if id(r) in firsts and len(r.prompt_ids) > 1}
         copies = [(slot, r) for slot, r in zip(slots, requests) if id(r.shares_prompt_with) in cut]
         slots, requests = zip(*[(slot, r) for slot, r in zip(slots, requests) if id(r.shares_prompt_with) not in cut])
@@ -300,8 +301,8 @@ class Slots:
         """Draft + heads for the drafting rows: (draft tokens, their probabilities, drafts to verify per row)."""
         t0 = time.perf_counter()
         out = self.graphs.run("draft", {"ctx_features": rows.ctx.feed(), "ctx_count": rows.ctx.count,
-                                  "anchor": rows.anchor, "past_mask": rows.draft_kv.past_mask(),
-                                  **rows.draft_kv.feeds})
+                                        "anchor": rows.anchor, "past_mask": rows.draft_kv.past_mask(),
+                                        **rows.draft_kv.feeds})
         new_kv = self.graphs.state(out["new_draft_kv"])
         t1 = time.perf_counter()
         for slot in np.flatnonzero(rows.ctx.count):
