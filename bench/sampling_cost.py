@@ -6,9 +6,10 @@ A request that sets top_k, top_p, min_p, a penalty or logit_bias takes its accep
 verifier's logits (dspark.runtime.sampling): an extra graph call and a copy of the logits per round, and drafts
 proposed from the drafter's own distribution, so processing that moves mass costs accepted drafts. logprobs fetch the
 logits too, and take a log-softmax and a top-k per emitted token on the host (dspark.runtime.logprobs). Parameter
-sets take turns prompt by prompt (a shared VM's drift hits all alike); medians over prompts.
+sets (and bundles, given several: e.g. one whose sampler graph an older dspark wrote) take turns prompt by prompt
+(a shared VM's drift hits all alike); medians over prompts.
 
-  python bench/sampling_cost.py [--bundle BUNDLE] [--prompts 4] [--max-tokens 64] [--temperature 0.7]
+  python bench/sampling_cost.py [--bundle BUNDLE ...] [--prompts 4] [--max-tokens 64] [--temperature 0.7]
                                 [--only NAME ...]
   (the results of the last run: bench/results/sampling_cost.json)
 """
@@ -42,7 +43,8 @@ SETS = {  # name: parameters, or (parameters, top logprobs)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", help="default: the demo bundle (`dspark demo` makes it)")
+    ap.add_argument("--bundle", nargs="+", help="default: the demo bundle (`dspark demo` makes it); several: "
+                    "each in turn")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -51,36 +53,40 @@ def main() -> None:
     args = ap.parse_args()
     sets = {name: value if isinstance(value, tuple) else (value, None) for name, value in SETS.items()
             if not args.only or name in args.only or name == "none"}
-    bundle = args.bundle or demo_bundle_path("gguf")
-    rt = Runtime(bundle)
-    prompts = [rt.encode(r["prompt"]) for r in dev_rows(None, per_domain=1, limit=args.prompts)]
-    runs: dict[tuple[str, str, float], list] = {}
+    bundles = args.bundle or [str(demo_bundle_path("gguf"))]
+    runtimes = {bundle: Runtime(bundle) for bundle in bundles}
+    encode = next(iter(runtimes.values())).encode
+    prompts = [encode(r["prompt"]) for r in dev_rows(None, per_domain=1, limit=args.prompts)]
+    runs: dict[tuple[str, str, str, float], list] = {}
     for i, ids in enumerate(prompts):
         for temperature in (args.temperature, 0.0):
             for name, (params, logprobs) in sets.items():
-                for policy in ("all", "ar"):
-                    options = DecodeOptions(max_tokens=args.max_tokens, temperature=temperature, seed=i,
-                                            policy=policy, sampling=params, logprobs=logprobs)
-                    res = rt.generate([ids], options)[0]
-                    runs.setdefault((name, policy, temperature), []).append(res)
+                for bundle, rt in runtimes.items():
+                    for policy in ("all", "ar"):
+                        options = DecodeOptions(max_tokens=args.max_tokens, temperature=temperature, seed=i,
+                                                policy=policy, sampling=params, logprobs=logprobs)
+                        res = rt.generate([ids], options)[0]
+                        runs.setdefault((bundle, name, policy, temperature), []).append(res)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     rows = []
-    for (name, policy, temperature), results in runs.items():
+    for (bundle, name, policy, temperature), results in runs.items():
         ms = [1000 * r.seconds / max(r.rounds, 1) for r in results]
-        rows.append({"params": name, "policy": policy, "temperature": temperature,
+        rows.append({"bundle": bundle, "params": name, "policy": policy, "temperature": temperature,
                      "ms_per_round": round(float(np.median(ms)), 2),
                      "tau": round(float(np.median([r.tau for r in results])), 3),
                      "tokens_per_s": round(float(np.median([r.tokens_per_s for r in results])), 2),
                      "tokens": int(sum(len(r.token_ids) for r in results))})
-    for temperature in (args.temperature, 0.0):
-        print(f"\ntemperature {temperature}")
-        print(f"{'parameters':<40} {'DSpark ms/round':>15} {'tau':>6} {'tok/s':>7} {'AR ms/step':>11} {'tok/s':>7}")
-        for name in sets:
-            ds, ar = (next(r for r in rows if r["params"] == name and r["policy"] == p
-                           and r["temperature"] == temperature) for p in ("all", "ar"))
-            print(f"{name:<40} {ds['ms_per_round']:>15} {ds['tau']:>6} {ds['tokens_per_s']:>7} "
-                  f"{ar['ms_per_round']:>11} {ar['tokens_per_s']:>7}")
-    write_json(args.out, {"bundle": str(bundle), "prompts": len(prompts), "max_tokens": args.max_tokens,
+    for bundle in bundles:
+        for temperature in (args.temperature, 0.0):
+            print(f"\n{bundle}, temperature {temperature}")
+            print(f"{'parameters':<40} {'DSpark ms/round':>15} {'tau':>6} {'tok/s':>7} {'AR ms/step':>11} "
+                  f"{'tok/s':>7}")
+            for name in sets:
+                ds, ar = (next(r for r in rows if r["bundle"] == bundle and r["params"] == name
+                               and r["policy"] == p and r["temperature"] == temperature) for p in ("all", "ar"))
+                print(f"{name:<40} {ds['ms_per_round']:>15} {ds['tau']:>6} {ds['tokens_per_s']:>7} "
+                      f"{ar['ms_per_round']:>11} {ar['tokens_per_s']:>7}")
+    write_json(args.out, {"bundles": bundles, "prompts": len(prompts), "max_tokens": args.max_tokens,
                           "machine": machine(), "rows": rows})
 
 

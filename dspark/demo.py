@@ -71,11 +71,26 @@ def pick_prompts(rows: list[dict], count: int) -> list[dict]:
 
 def readable_bundle(bundle: Path) -> bool:
     """Whether the demo's own bundle is current; if not (made by an older dspark: another format version, or no
-    sampler graph for top_p and the other sampling parameters, or one without their logprobs) it is converted again."""
+    sampler graph for top_p and the other sampling parameters, one without their logprobs, or one that bisects
+    every threshold over the whole vocabulary) it is converted again."""
     try:
         sampler = Manifest.read(bundle).graphs.get("sampler")
-        return sampler is not None and any(o.name == "logprobs" for o in sampler.outputs)
+        return (sampler is not None and any(o.name == "logprobs" for o in sampler.outputs)
+                and reads_candidates(bundle / sampler.file))
     except DSparkError:
+        return False
+
+
+def reads_candidates(sampler: Path) -> bool:
+    """Whether a sampler graph reads its top_k / top_p thresholds from the most likely tokens (a TopK) before it
+    bisects; True where onnx is not installed to tell (a runtime-only install converts nothing)."""
+    if importlib.util.find_spec("onnx") is None:
+        return True
+    import onnx
+
+    try:
+        return any(node.op_type == "TopK" for node in onnx.load(str(sampler), load_external_data=False).graph.node)
+    except Exception:  # an unreadable graph: convert again
         return False
 
 
@@ -124,8 +139,8 @@ def ensure_demo_bundle(plan: DemoPlan, weights: str, say: Say) -> None:
 
 
 def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
-    """The demo's "gguf" weights: the verifier multiplies by the GGUF file's own blocks (the same weights the file holds, with
-    fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding stays exact
+    """The demo's "gguf" weights: the verifier multiplies by the GGUF file's own blocks (the same weights the file
+    holds, with fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding stays exact
     with respect to that verifier, which is the model the user chose. `options`: QuantizeOptions fields."""
     done = Manifest.read(bundle).quantized
     if "heads" in done and "verifier" in done:

@@ -94,15 +94,17 @@ def penalised_logits(logits: torch.Tensor, draft_next: torch.Tensor, counts: tor
     token; logit_bias [B, V]; repetition / presence / frequency [B] (1, 0, 0: off).
 
     repetition divides a seen token's positive logit and multiplies a negative one (seen: in the prompt or emitted);
-    presence and frequency subtract p * [count > 0] + f * count over the emitted tokens (OpenAI's definition)."""
+    presence and frequency subtract p * [count > 0] + f * count over the emitted tokens (OpenAI's definition).
+    Masks over the vocabulary are 0/1 factors, not Where: ONNX Runtime's CPU Where is ~8x slower at this size."""
     b, k, v = logits.shape
     hit = (draft_next.unsqueeze(-1) == torch.arange(v, device=logits.device)).to(torch.float32)  # [B, K, V]
     count = counts.unsqueeze(1) + (torch.cumsum(hit, dim=1) - hit)  # exclusive: the drafts of earlier rows
     x = logits.float() + logit_bias.unsqueeze(1)
     rep = repetition.view(b, 1, 1)
-    seen = (count > 0) | (prompt_seen.unsqueeze(1) > 0)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     emitted = (count > 0).to(torch.float32)
+    seen = torch.maximum(emitted, (prompt_seen.unsqueeze(1) > 0).to(torch.float32))
+    positive = (x > 0).to(torch.float32)
+    x = x * (1.0 + seen * (positive * (1.0 / rep - 1.0) + (1.0 - positive) * (rep - 1.0)))  # (1 where unseen)
     return x - presence.view(b, 1, 1) * emitted - frequency.view(b, 1, 1) * count
 
 
@@ -114,10 +116,10 @@ def processed_logprobs(logits: torch.Tensor, probs: torch.Tensor, temperature: t
     t = temperature.float().view(b, 1, 1)
     greedy = t < GREEDY_EPS
     z = logits / torch.where(greedy, torch.ones_like(t), t)
-    kept = (probs > 0) | greedy
-    floor = torch.full_like(z, float("-inf"))
-    z = torch.where(kept, z, floor)
-    return torch.where(kept, z - torch.logsumexp(z, dim=-1, keepdim=True), floor)
+    kept = torch.maximum((probs > 0).to(torch.float32), greedy.to(torch.float32))
+    top = z.max(dim=-1, keepdim=True).values  # a kept token's: every filter keeps the most likely
+    lse = top + torch.log((torch.exp(z - top) * kept).sum(dim=-1, keepdim=True))
+    return z - lse + torch.log(kept)  # log 0 = -inf for the tokens filtered out
 
 
 def _largest_threshold(values: torch.Tensor, enough) -> torch.Tensor:
@@ -133,21 +135,66 @@ def _largest_threshold(values: torch.Tensor, enough) -> torch.Tensor:
     return lo
 
 
+CANDIDATES = 1024  # the most likely tokens a top_k / top_p threshold is read from (TensorRT's TopK stops at 3840)
+
+
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> torch.Tensor:
     """Penalised logits [B, K, V] -> the distribution a request samples from [B, K, V] (normalised; one-hot argmax
     where greedy). min_p keeps tokens of at least min_p x the top probability; top_k (0: off) the k most likely
-    (ties at the k-th kept); top_p the smallest most-likely set holding top_p of the mass left (ties kept)."""
+    (ties at the k-th kept); top_p the smallest most-likely set holding top_p of the mass left (ties kept).
+
+    The top_k and top_p thresholds are read from the CANDIDATES most likely tokens where they lie among them (a
+    sort of those alone); only when some row's lie further down does the graph take the bisection over the whole
+    vocabulary, and then for those rows alone, so a row's distribution never depends on the others in its batch."""
     b, _, v = logits.shape
     probs = token_probs(logits, temperature)
-    probs = torch.where(probs >= min_p.view(b, 1, 1) * probs.max(dim=-1, keepdim=True).values, probs,
-                        torch.zeros_like(probs))
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).to(torch.float32).view(b, 1, 1)
-    kth = _largest_threshold(probs, lambda keep: keep.to(torch.float32).sum(dim=-1, keepdim=True) >= k)
-    probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    probs = probs * (probs >= min_p.view(b, 1, 1) * probs.max(dim=-1, keepdim=True).values).to(torch.float32)
+    k = torch.where((top_k > 0) & (top_k < v), top_k, torch.zeros_like(top_k)).view(b, 1, 1)  # 0: off
     p = top_p.view(b, 1, 1)
-    mass = probs.sum(dim=-1, keepdim=True) * p
-    nucleus = _largest_threshold(probs, lambda keep: (probs * keep).sum(dim=-1, keepdim=True) >= mass)
-    nucleus = torch.where(p >= 1.0, torch.zeros_like(nucleus), nucleus)  # (a float sum may lose the smallest)
-    probs = torch.where(probs >= nucleus, probs, torch.zeros_like(probs))
+    kth, nucleus, complete = _thresholds_from_candidates(probs, k, p)
+    kth, nucleus = _cond(complete.all(), _candidate_thresholds, _bisected_thresholds,
+                         (probs, k, p, kth, nucleus, complete))
+    probs = probs * ((probs >= kth) & (probs >= nucleus)).to(torch.float32)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _thresholds_from_candidates(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor):
+    """The top_k and top_p thresholds [B, K, 1] read from the sorted most likely tokens, and whether they are the
+    exact ones (the k-th token and the nucleus's last lie among the candidates). A threshold t keeps probs >= t."""
+    c = min(CANDIDATES, probs.shape[-1])
+    top = torch.topk(probs, c, dim=-1).values  # descending
+    at = torch.maximum(torch.minimum(k, torch.full_like(k, c)) - 1, torch.zeros_like(k))  # Min/Max: int-safe in TRT
+    at = at.expand(*top.shape[:2], 1)
+    kth = torch.where(k > 0, torch.gather(top, 2, at), torch.zeros_like(top[..., :1]))
+    kept = torch.where(top >= kth, top, torch.zeros_like(top))
+    mass = (probs * (probs >= kth).to(torch.float32)).sum(dim=-1, keepdim=True) * p
+    reached = torch.cumsum(kept, dim=-1) >= mass
+    found = reached.any(dim=-1, keepdim=True)
+    first = torch.argmax(reached.to(torch.int32), dim=-1, keepdim=True)
+    nucleus = torch.where(p >= 1.0, torch.zeros_like(kth), torch.gather(kept, 2, first))
+    complete = (k <= c) & (found | (p >= 1.0))  # (k = 0: off)
+    return kth, nucleus, complete
+
+
+def _cond(pred: torch.Tensor, then, otherwise, args: tuple):
+    """torch.cond (an ONNX If when exported); on the meta device outside an export (the exporter's shape run), which
+    branch runs cannot be known and either gives the shapes."""
+    if pred.is_meta and not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
+        return otherwise(*args)
+    return torch.cond(pred, then, otherwise, args)
+
+
+def _candidate_thresholds(probs, k, p, kth, nucleus, complete):
+    return kth.clone(), nucleus.clone()
+
+
+def _bisected_thresholds(probs, k, p, kth, nucleus, complete):
+    """The thresholds of the rows whose candidates do not hold them, by bisection over the whole vocabulary."""
+    kf = torch.where(k > 0, k, torch.full_like(k, probs.shape[-1])).to(torch.float32)
+    full_kth = _largest_threshold(probs, lambda keep: keep.to(torch.float32).sum(dim=-1, keepdim=True) >= kf)
+    kept = probs * (probs >= full_kth).to(torch.float32)
+    mass = kept.sum(dim=-1, keepdim=True) * p
+    full_nucleus = _largest_threshold(kept, lambda keep: (kept * keep).sum(dim=-1, keepdim=True) >= mass)
+    full_nucleus = torch.where(p >= 1.0, torch.zeros_like(full_nucleus), full_nucleus)  # (a float sum may lose one)
+    return torch.where(complete, kth, full_kth), torch.where(complete, nucleus, full_nucleus)
