@@ -10,12 +10,16 @@ sets (and bundles, given several: e.g. one whose sampler graph an older dspark w
 (a shared VM's drift hits all alike); medians over prompts.
 
   python bench/sampling_cost.py [--bundle BUNDLE ...] [--prompts 4] [--max-tokens 64] [--temperature 0.7]
-                                [--only NAME ...]
+                                [--only NAME ...] [--batch N]
+
+With --batch N, N different prompts decode together (one request each, all with the parameters), and a row's
+ms/round and tokens/s are the batch's (all requests' tokens over the decode's wall time).
   (the results of the last run: bench/results/sampling_cost.json)
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (default 1)")
     ap.add_argument("--only", nargs="*", help="the parameter sets to run (default: all; `none` always runs)")
     ap.add_argument("--out", default="bench/results/sampling_cost.json")
     args = ap.parse_args()
@@ -56,26 +61,31 @@ def main() -> None:
     bundles = args.bundle or [str(demo_bundle_path("gguf"))]
     runtimes = {bundle: Runtime(bundle) for bundle in bundles}
     encode = next(iter(runtimes.values())).encode
-    prompts = [encode(r["prompt"]) for r in dev_rows(None, per_domain=1, limit=args.prompts)]
+    rows_in = dev_rows(None, per_domain=max(1, args.batch), limit=args.prompts * args.batch)
+    prompts = [[encode(r["prompt"]) for r in rows_in[i:i + args.batch]] for i in range(0, len(rows_in), args.batch)]
     runs: dict[tuple[str, str, str, float], list] = {}
-    for i, ids in enumerate(prompts):
+    for i, batch in enumerate(prompts):
         for temperature in (args.temperature, 0.0):
             for name, (params, logprobs) in sets.items():
                 for bundle, rt in runtimes.items():
                     for policy in ("all", "ar"):
                         options = DecodeOptions(max_tokens=args.max_tokens, temperature=temperature, seed=i,
-                                                policy=policy, sampling=params, logprobs=logprobs)
-                        res = rt.generate([ids], options)[0]
-                        runs.setdefault((bundle, name, policy, temperature), []).append(res)
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+                                                policy=policy, sampling=params, logprobs=logprobs,
+                                                batch_size=len(batch))
+                        started = time.perf_counter()
+                        results = rt.generate(batch, options)
+                        runs.setdefault((bundle, name, policy, temperature), []).append(
+                            (results, time.perf_counter() - started))
+        print(f"batch {i + 1}/{len(prompts)} done", flush=True)
     rows = []
-    for (bundle, name, policy, temperature), results in runs.items():
-        ms = [1000 * r.seconds / max(r.rounds, 1) for r in results]
+    for (bundle, name, policy, temperature), batches in runs.items():
+        ms = [1000 * wall / max(max(r.rounds for r in results), 1) for results, wall in batches]
+        speed = [sum(len(r.token_ids) for r in results) / wall for results, wall in batches]
         rows.append({"bundle": bundle, "params": name, "policy": policy, "temperature": temperature,
-                     "ms_per_round": round(float(np.median(ms)), 2),
-                     "tau": round(float(np.median([r.tau for r in results])), 3),
-                     "tokens_per_s": round(float(np.median([r.tokens_per_s for r in results])), 2),
-                     "tokens": int(sum(len(r.token_ids) for r in results))})
+                     "batch": args.batch, "ms_per_round": round(float(np.median(ms)), 2),
+                     "tau": round(float(np.median([r.tau for results, _ in batches for r in results])), 3),
+                     "tokens_per_s": round(float(np.median(speed)), 2),
+                     "tokens": int(sum(len(r.token_ids) for results, _ in batches for r in results))})
     for bundle in bundles:
         for temperature in (args.temperature, 0.0):
             print(f"\n{bundle}, temperature {temperature}")

@@ -15,8 +15,8 @@ from dspark.kv_layout import KVGroup, group_layers, kv_output_names
 from dspark.models.config import TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.layer_kv import LayerKV
-from dspark.models.sampling import (filtered_probs, penalised_logits, prefix_survival, processed_logprobs, token_probs,
-                                    verify)
+from dspark.models.sampling import (filtered_probs, penalised_logits, prefix_survival, processed_logprobs, verify,
+                                    verify_logits)
 from dspark.models.target import TargetModel
 from dspark.ops.confidence_truncate.torch_op import confidence_truncate
 
@@ -67,11 +67,11 @@ class VerifierGraph(nn.Module):
         d = step.hidden.shape[-1]
         rows = torch.gather(step.hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, d))
         logits = self.target.logits(rows).float()
-        probs = token_probs(logits, temperature)
         # Row j judges the token right after it: d_{j+1} = tokens[logit_index[j] + 1] (last row: padding).
         nxt = torch.minimum(logit_index + 1, torch.full_like(logit_index, tokens.shape[1] - 1))  # Min: int-safe in TRT
         draft_next = torch.gather(tokens, 1, nxt)
-        accepted, next_token = verify(probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise)
+        accepted, next_token = verify_logits(logits, temperature, draft_next, draft_probs, verify_len, accept_noise,
+                                             sample_noise)
         # a uniform target's new K/V are one [L, 2, B, Hkv, T, hd] tensor; a LayerKV's are one per KV group
         # (new_kv.{g}, in dspark.kv_layout's order, which is LayerKV's)
         new_kv = step.new_kv.groups if isinstance(step.new_kv, LayerKV) else [step.new_kv]

@@ -48,25 +48,78 @@ def verify(
     verify_len [B]: drafts actually proposed (0..K-1). accept_noise [B, K], sample_noise [B].
     Returns (accepted [B], next_token [B]): the length of the accepted prefix and the correction/bonus token.
     """
-    b, k, v = target_probs.shape
-    kd = draft_probs.shape[1]
-    ar = torch.arange(k, device=target_probs.device)
-    rows = torch.minimum(ar, torch.full_like(ar, kd - 1))  # Min, not Clip: TensorRT clips floats only
-    q_rows = draft_probs.index_select(1, rows)  # [B, K, V]
     p_tok = torch.gather(target_probs, 2, draft_next.unsqueeze(-1)).squeeze(-1)
-    q_tok = torch.gather(q_rows, 2, draft_next.unsqueeze(-1)).squeeze(-1)
+    accepted = _accepted(p_tok, _draft_token_probs(draft_probs, draft_next), verify_len, accept_noise)
+    p_row = _row(target_probs, accepted)
+    return accepted, _correction(p_row, _draft_row(draft_probs, accepted), accepted, verify_len, sample_noise)
+
+
+def verify_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    draft_next: torch.Tensor,
+    draft_probs: torch.Tensor,
+    verify_len: torch.Tensor,
+    accept_noise: torch.Tensor,
+    sample_noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify(token_probs(logits, temperature), ...) with the same decisions, bit for bit, at a third of the cost:
+    the one-hot argmax distributions of greedy rows are never written out over the vocabulary, only read where
+    acceptance looks (the judged draft of every row, the whole row after the accepted prefix)."""
+    b = logits.shape[0]
+    greedy = (temperature.float() < GREEDY_EPS).view(b, 1)
+    t = temperature.float().view(b, 1, 1)
+    soft = torch.softmax(logits.float() / torch.clamp(t, min=GREEDY_EPS), dim=-1)  # [B, K, V]
+    best = logits.float().argmax(dim=-1)  # [B, K]
+    hit = (draft_next == best).to(soft.dtype)
+    soft_tok = torch.gather(soft, 2, draft_next.unsqueeze(-1)).squeeze(-1)
+    p_tok = torch.where(greedy, hit, soft_tok)
+    accepted = _accepted(p_tok, _draft_token_probs(draft_probs, draft_next), verify_len, accept_noise)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    hard_row = (vocab == torch.gather(best, 1, accepted.view(b, 1))).to(soft.dtype)  # [B, V]
+    p_row = torch.where(greedy, hard_row, _row(soft, accepted))
+    return accepted, _correction(p_row, _draft_row(draft_probs, accepted), accepted, verify_len, sample_noise)
+
+
+def _draft_token_probs(draft_probs: torch.Tensor, draft_next: torch.Tensor) -> torch.Tensor:
+    """q(d_{j+1}) at every row j [B, K]: draft row min(j, Kd - 1), read without copying rows of the vocabulary."""
+    b, kd, v = draft_probs.shape
+    k = draft_next.shape[1]
+    ar = torch.arange(k, device=draft_next.device)
+    rows = torch.minimum(ar, torch.full_like(ar, kd - 1))  # Min, not Clip: TensorRT clips floats only
+    return torch.gather(draft_probs.reshape(b, kd * v), 1, rows.unsqueeze(0) * v + draft_next)
+
+
+def _accepted(p_tok: torch.Tensor, q_tok: torch.Tensor, verify_len: torch.Tensor,
+              accept_noise: torch.Tensor) -> torch.Tensor:
+    """The leading run of accepted drafts [B]: u_j <= p(d) / q(d) at each proposed row."""
     ratio = p_tok / torch.clamp(q_tok, min=PROB_FLOOR)
-    valid = torch.arange(k, device=target_probs.device)[None, :] < verify_len[:, None]
+    valid = torch.arange(p_tok.shape[1], device=p_tok.device)[None, :] < verify_len[:, None]
     ok = (accept_noise <= ratio) & valid
-    # Leading run of accepts. Float cumsum: TensorRT's CumSum takes float types only (counts stay exact).
-    accepted = (torch.cumsum((~ok).to(torch.float32), dim=1) == 0).sum(dim=1)
-    pick = accepted.view(b, 1, 1).expand(b, 1, v)
-    p_row = torch.gather(target_probs, 1, pick).squeeze(1)
-    q_row = torch.gather(q_rows, 1, pick).squeeze(1)
+    # Float cumsum: TensorRT's CumSum takes float types only (counts stay exact).
+    return (torch.cumsum((~ok).to(torch.float32), dim=1) == 0).sum(dim=1)
+
+
+def _row(probs: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """probs [B, K, V] at row `accepted` of each request -> [B, V] (whole rows taken: no index over the vocabulary)."""
+    b, k, v = probs.shape
+    flat = torch.arange(b, device=probs.device) * k + accepted
+    return probs.reshape(b * k, v).index_select(0, flat)
+
+
+def _draft_row(draft_probs: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """The draft distribution row `accepted` judges by (row min(accepted, Kd - 1)) [B, V]."""
+    kd = draft_probs.shape[1]
+    return _row(draft_probs, torch.minimum(accepted, torch.full_like(accepted, kd - 1)))
+
+
+def _correction(p_row: torch.Tensor, q_row: torch.Tensor, accepted: torch.Tensor, verify_len: torch.Tensor,
+                sample_noise: torch.Tensor) -> torch.Tensor:
+    """The token after the accepted prefix: from the residual (p - q)+ after a rejection, else from p (bonus)."""
     residual = torch.clamp(p_row - q_row, min=0.0)
     use_residual = (accepted < verify_len) & (residual.sum(dim=-1) > PROB_FLOOR)
     dist = torch.where(use_residual[:, None], residual, p_row)
-    return accepted, sample(dist, sample_noise)
+    return sample(dist, sample_noise)
 
 
 def prefix_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dspark.models.pair import Pair
 from dspark.models.reference import generate_ar, generate_dspark
 from dspark.runtime import DecodeOptions, Runtime
 from support.stats import chi_square_pvalue, exact_joint
-from support.faults import wrong_verify
+from support.faults import wrong_verify_logits
 from support.tiny import TinyLoaded, restamp
 
 V = 6
@@ -80,7 +80,7 @@ def test_bundle_with_wrong_acceptance_rule_is_detected(tiny, tmp_path, monkeypat
     hf, target, drafter, path = tiny
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
-    monkeypatch.setattr(graphs, "verify", wrong_verify)
+    monkeypatch.setattr(graphs, "verify_logits", wrong_verify_logits)
     pair = Pair(TinyLoaded(hf, path), target, drafter, "random")
     export_graph(verifier_example(pair), bad / "verifier.onnx")
     restamp(bad)

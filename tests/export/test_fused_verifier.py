@@ -62,7 +62,7 @@ def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused, laned):
     assert everywhere["If"] == layers * (LANES - 1) and everywhere["GroupQueryAttention"] == layers * LANES
     portable = onnx.load(str(fused / "verifier.onnx"), load_external_data=False)
     single = onnx.load(str(fused / FUSED_FILE), load_external_data=False)
-    assert len(single.graph.node) < len(portable.graph.node) / 2
+    assert len(single.graph.node) < 0.55 * len(portable.graph.node)  # (both end in the same ~60-node acceptance)
     per_layer = (len(model.graph.node) - len(single.graph.node) - 16 * LANES) / layers  # (16 a lane's lengths)
     assert per_layer <= 1 + 8  # one If (lanes 1.. nested in it), and lane 0's row slices and padding
     stored = {t.name for t in portable.graph.initializer if t.external_data}

@@ -96,3 +96,26 @@ def test_the_exported_sampler_takes_both_branches_as_pytorch_does(few_candidates
         kept = np.isfinite(got["logprobs"])
         assert (kept == (got["probs"] > 0)).all()
         np.testing.assert_allclose(got["logprobs"][kept], want[3].numpy()[kept], atol=1e-5)
+
+
+def test_acceptance_from_logits_makes_the_decisions_of_acceptance_from_probabilities():
+    """verify_logits (the verifier graph's) against verify on token_probs: the same accepted lengths and tokens for
+    greedy and sampled requests, every proposed length, fewer draft rows than verify rows, tied logits."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        b, k, v = 4, int(rng.integers(1, 6)), int(rng.integers(2, 40))
+        kd = int(rng.integers(1, k + 1))
+        logits = torch.tensor(rng.standard_normal((b, k, v)) * rng.choice([0.5, 3.0]), dtype=torch.float32)
+        if trial % 5 == 0:
+            logits[..., : v // 2] = logits.max()  # ties at the top: the first index wins, as argmax's
+        temperature = torch.tensor(rng.choice([0.0, 0.5, 1.0, 2.0], size=b), dtype=torch.float32)
+        target = sampling.token_probs(logits, temperature)
+        greedy_draft = rng.random() < 0.5  # drafts drawn near the target, so that runs of them are accepted
+        draft_next = target.argmax(-1) if greedy_draft else torch.tensor(rng.integers(0, v, (b, k)))
+        draft_probs = torch.softmax(torch.tensor(rng.standard_normal((b, kd, v)), dtype=torch.float32), -1)
+        verify_len = torch.tensor(rng.integers(0, k, size=b))
+        accept = torch.tensor(rng.uniform(1e-6, 1, (b, k)), dtype=torch.float32)
+        noise = torch.tensor(rng.uniform(1e-6, 1, b), dtype=torch.float32)
+        want = sampling.verify(target, draft_next, draft_probs, verify_len, accept, noise)
+        got = sampling.verify_logits(logits, temperature, draft_next, draft_probs, verify_len, accept, noise)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial

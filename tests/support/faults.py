@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.models.sampling import PROB_FLOOR, sample
+from dspark.models.sampling import PROB_FLOOR, sample, token_probs
 
 
 def wrong_verify(target_probs, draft_next, draft_probs, verify_len, accept_noise, sample_noise):
@@ -20,3 +20,9 @@ def wrong_verify(target_probs, draft_next, draft_probs, verify_len, accept_noise
     res = torch.clamp(p_row - q_row, min=0)
     use = (accepted < verify_len) & (res.sum(-1) > PROB_FLOOR)
     return accepted, sample(torch.where(use[:, None], res, p_row), sample_noise)
+
+
+def wrong_verify_logits(logits, temperature, draft_next, draft_probs, verify_len, accept_noise, sample_noise):
+    """wrong_verify in the verifier graph's signature (dspark.models.sampling.verify_logits)."""
+    return wrong_verify(token_probs(logits, temperature), draft_next, draft_probs, verify_len, accept_noise,
+                        sample_noise)
