@@ -54,15 +54,9 @@ def verify(
     return accepted, _correction(p_row, _draft_row(draft_probs, accepted), accepted, verify_len, sample_noise)
 
 
-def verify_logits(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    draft_next: torch.Tensor,
-    draft_probs: torch.Tensor,
-    verify_len: torch.Tensor,
-    accept_noise: torch.Tensor,
-    sample_noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_logits(logits: torch.Tensor, temperature: torch.Tensor, draft_next: torch.Tensor, draft_probs: torch.Tensor,
+                  verify_len: torch.Tensor, accept_noise: torch.Tensor,
+                  sample_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """verify(token_probs(logits, temperature), ...) with the same decisions, bit for bit, at a third of the cost:
     the one-hot argmax distributions of greedy rows are never written out over the vocabulary, only read where
     acceptance looks (the judged draft of every row, the whole row after the accepted prefix)."""
