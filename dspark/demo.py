@@ -140,8 +140,9 @@ def ensure_demo_bundle(plan: DemoPlan, weights: str, say: Say) -> None:
 
 def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
     """The demo's "gguf" weights: the verifier multiplies by the GGUF file's own blocks (the same weights the file
-    holds, with fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding stays exact
-    with respect to that verifier, which is the model the user chose. `options`: QuantizeOptions fields."""
+    holds, with fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding
+    stays exact with respect to that verifier, which is the model the user chose. `options`: QuantizeOptions
+    fields."""
     done = Manifest.read(bundle).quantized
     if "heads" in done and "verifier" in done:
         return

@@ -63,8 +63,9 @@ def verify_logits(logits: torch.Tensor, temperature: torch.Tensor, draft_next: t
     b = logits.shape[0]
     greedy = (temperature.float() < GREEDY_EPS).view(b, 1)
     t = temperature.float().view(b, 1, 1)
-    soft = torch.softmax(logits.float() / torch.clamp(t, min=GREEDY_EPS), dim=-1)  # [B, K, V]
-    best = logits.float().argmax(dim=-1)  # [B, K]
+    logits = logits.float()
+    soft = torch.softmax(logits / torch.clamp(t, min=GREEDY_EPS), dim=-1)  # [B, K, V]
+    best = logits.argmax(dim=-1)  # [B, K]
     hit = (draft_next == best).to(soft.dtype)
     soft_tok = torch.gather(soft, 2, draft_next.unsqueeze(-1)).squeeze(-1)
     p_tok = torch.where(greedy, hit, soft_tok)
