@@ -64,12 +64,14 @@ class Runtime:
     """A loaded bundle. `generate` decodes a batch; `stream` yields text as rounds commit tokens."""
 
     def __init__(self, bundle: str | Path, backend: str | Backend = "onnxruntime", threads: int | None = None,
-                 cuda_graphs: bool = False, weights: str | None = None):
+                 cuda_graphs: bool = False, weights: str | None = None, spin: bool | None = None):
         """backend: a registered backend's name ("onnxruntime" on CPU; "tensorrt": the bundle's engines from
         `dspark-export build`, driven through cuda-python with device-resident caches, where `cuda_graphs` replays
         each engine launch as a CUDA graph), or a Backend object already made for this bundle. weights (ONNX
         Runtime): "packed" (fp32 copies, fastest), "mapped" (used from the bundle file at their stored precision,
-        for bundles larger than memory) or "auto" (the default: packed when it fits)."""
+        for bundles larger than memory) or "auto" (the default: packed when it fits). spin (ONNX Runtime): False
+        makes the threads sleep between kernels instead of spinning while a graph runs (slower; for cores shared
+        with other work)."""
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
         if not isinstance(bundle, (str, os.PathLike)):
@@ -84,7 +86,7 @@ class Runtime:
             self.backend = backend
         else:
             self.backend = create_backend(backend, self.folder, self.manifest, threads=threads,
-                                          cuda_graphs=cuda_graphs, weights=weights)
+                                          cuda_graphs=cuda_graphs, weights=weights, spin=spin)
 
     def __enter__(self) -> "Runtime":
         return self

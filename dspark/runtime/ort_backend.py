@@ -21,14 +21,19 @@ FIT_SHARE = 0.6  # auto packs the weights when their fp32 copy takes at most thi
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per stored weight (manifest.precision)
 
 
-def session_options(threads: int | None = None, weights: str = "packed") -> ort.SessionOptions:
+def session_options(threads: int | None = None, weights: str = "packed", spin: bool = True) -> ort.SessionOptions:
     """weights="packed": a fp16/bf16 bundle's Casts are folded into fp32 copies and MatMul weights are prepacked
     at load (the fastest steps; one fp32 copy of every weight in process memory). "mapped": the weights are used
     where ONNX Runtime maps them from the bundle's data file, at their stored precision: nothing is copied at load,
     the mapped pages are shared by the three graphs (and by every process serving the bundle) and each widening
     Cast runs when its MatMul needs it, into memory freed right after (no arena: an arena keeps its high-water
     mark). What a bundle whose fp32 copy does not fit in memory runs with; slow: one AR step of SmolLM2 bf16 took
-    105 ms mapped vs 38 ms packed (process memory 0.09 vs 0.74 GB), of a Qwen3-4B-shaped bf16 pair 4.4-6.5 s."""
+    105 ms mapped vs 38 ms packed (process memory 0.09 vs 0.74 GB), of a Qwen3-4B-shaped bf16 pair 4.4-6.5 s.
+
+    spin: while a graph runs, its pool's threads spin between kernels instead of sleeping (a step is hundreds of
+    short kernels, and waking a sleeping thread for each costs more than some of them), and stop spinning when
+    the run ends: a bundle's graphs take turns, and one graph's pool spinning after its run would take a core
+    from the next. spin=False: they sleep between kernels (slower; for cores shared with other work)."""
     _known_mode(weights, ("packed", "mapped"))
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -36,7 +41,8 @@ def session_options(threads: int | None = None, weights: str = "packed") -> ort.
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.log_severity_level = 3
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    opts.add_session_config_entry("session.force_spinning_stop", "1")
     if weights == "mapped":
         opts.add_session_config_entry("session.disable_prepacking", "1")
         opts.add_session_config_entry("optimization.disable_specified_optimizers", "ConstantFolding")
@@ -155,14 +161,14 @@ class OrtBackend(Backend):
     graph hand-offs are host numpy arrays of any size (dspark.trt.backend.TrtBackend is the device twin)."""
 
     kind = "onnxruntime-cpu"
-    options = ("threads", "weights", "verifier")
+    options = ("threads", "weights", "verifier", "spin")
 
     def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, weights: str | None = "auto",
-                 verifier: str | None = "auto"):
+                 verifier: str | None = "auto", spin: bool | None = None):
         """verifier: "auto" runs the bundle's fused verifier when it has one (dspark-export fuse), "portable"
-        never, "fused" insists on it."""
+        never, "fused" insists on it. spin: session_options' (None: on)."""
         self.weights = weights_mode(folder, manifest, weights)
-        opts = session_options(threads, self.weights)
+        opts = session_options(threads, self.weights, spin is not False)
         verifier = _known_choice(verifier or "auto", VERIFIERS, "verifier")
         if verifier == "fused" and "verifier_fused" not in manifest.graphs:
             raise DSparkError(f"bundle {folder} has no fused verifier; add one with `dspark-export fuse {folder}`")

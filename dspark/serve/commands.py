@@ -66,6 +66,8 @@ def engine_policy(policy: str, gate: bool):
               help="Seconds a client has to send a request's headers, and again its body; beyond, 408 and the "
               "connection closes.")
 @click.option("--threads", type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--no-spin", is_flag=True, help="ONNX Runtime: threads sleep between a step's kernels instead of "
+              "spinning (slower; for cores shared with other work).")
 @click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(["onnxruntime", "tensorrt"]))
 @WEIGHTS_OPTION
 @click.option("--log-level", default="info", show_default=True,
@@ -73,7 +75,7 @@ def engine_policy(policy: str, gate: bool):
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="One line per HTTP request on stderr (at --log-level info).")
 def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max_context, model_name, grace,
-              max_connections, request_timeout, threads, backend, weights, log_level, access_log):
+              max_connections, request_timeout, threads, no_spin, backend, weights, log_level, access_log):
     """Serve BUNDLE (or, with --demo, the bundle `dspark demo` made) over an OpenAI-compatible HTTP API
     (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) with an always-on continuous-batching
     engine. Requests decode greedily (temperature 0, as `dspark run`) unless they send a temperature."""
@@ -90,8 +92,9 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
     config = ServeConfig(bundle=target.bundle, model_name=target.model_name, aliases=target.aliases,
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
                                               max_context=max_context),
-                         backend=backend, threads=threads, weights=ort_weights(backend, weights), grace=grace,
-                         max_connections=max_connections, request_timeout=request_timeout)
+                         backend=backend, threads=threads, weights=ort_weights(backend, weights),
+                         spin=False if no_spin else None, grace=grace, max_connections=max_connections,
+                         request_timeout=request_timeout)
     serve(config, host, port, log_level, access_log)
 
 
