@@ -77,6 +77,9 @@ class CacheLengths:
         self.what = what
         self.names = [(f"{prefix}.{i}.{kind}", i, j) for i in range(layers) for j, kind in enumerate(("key", "value"))]
 
+    def reserve(self) -> None:
+        """Make the cache's memory the process's now, not on first use (a no-op where it already is)."""
+
     def room(self, b: int) -> int:
         """Positions slot b can still take."""
         return self.capacity - int(self.lengths[b])

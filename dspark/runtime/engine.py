@@ -85,8 +85,13 @@ class Engine:
     def _new_slots(self) -> Slots:
         manifest = self.runtime.manifest
         gate = new_gate(self.policy, manifest.calibration.get("sps_table"), manifest.block_size, self.batch)
-        return Slots(self.runtime.backend, manifest, self.policy, self.batch, self.capacity, gate=gate,
-                     observers=(_RoundReport(self),))
+        slots = Slots(self.runtime.backend, manifest, self.policy, self.batch, self.capacity, gate=gate,
+                      observers=(_RoundReport(self),))
+        # every slot's caches resident from the start: a slot's first request does not fault their pages in while
+        # the batch waits, and a machine short of that memory finds out now, not under load
+        for cache in (slots.kv, slots.draft_kv):
+            cache.reserve()
+        return slots
 
     # -- the caller's side (any thread) -----------------------------------------------------------------------
 
