@@ -69,9 +69,9 @@ class Runtime:
         `dspark-export build`, driven through cuda-python with device-resident caches, where `cuda_graphs` replays
         each engine launch as a CUDA graph), or a Backend object already made for this bundle. weights (ONNX
         Runtime): "packed" (fp32 copies, fastest), "mapped" (used from the bundle file at their stored precision,
-        for bundles larger than memory) or "auto" (the default: packed when it fits). spin (ONNX Runtime): False
-        makes the threads sleep between kernels instead of spinning while a graph runs (slower; for cores shared
-        with other work)."""
+        for bundles larger than memory) or "auto" (the default: packed when it fits). spin (ONNX Runtime): True
+        makes the threads spin between kernels while a graph runs instead of sleeping (faster in a process that has
+        the cores to itself, as `dspark serve` does; slower where other busy threads share them)."""
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise DSparkError(f"threads must be a positive integer (or None for all cores), not {threads!r}")
         if not isinstance(bundle, (str, os.PathLike)):

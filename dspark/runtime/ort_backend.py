@@ -21,7 +21,8 @@ FIT_SHARE = 0.6  # auto packs the weights when their fp32 copy takes at most thi
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per stored weight (manifest.precision)
 
 
-def session_options(threads: int | None = None, weights: str = "packed", spin: bool = True) -> ort.SessionOptions:
+def session_options(threads: int | None = None, weights: str = "packed",
+                    spin: bool = False) -> ort.SessionOptions:
     """weights="packed": a fp16/bf16 bundle's Casts are folded into fp32 copies and MatMul weights are prepacked
     at load (the fastest steps; one fp32 copy of every weight in process memory). "mapped": the weights are used
     where ONNX Runtime maps them from the bundle's data file, at their stored precision: nothing is copied at load,
@@ -32,8 +33,9 @@ def session_options(threads: int | None = None, weights: str = "packed", spin: b
 
     spin: while a graph runs, its pool's threads spin between kernels instead of sleeping (a step is hundreds of
     short kernels, and waking a sleeping thread for each costs more than some of them), and stop spinning when
-    the run ends: a bundle's graphs take turns, and one graph's pool spinning after its run would take a core
-    from the next. spin=False: they sleep between kernels (slower; for cores shared with other work)."""
+    the run ends (a bundle's graphs take turns: one graph's pool spinning after its run would take a core from the
+    next). Faster where the process has the cores to itself (dspark serve); where other busy threads or processes
+    share them, a spinning thread holds a core they need, so it is not the default."""
     _known_mode(weights, ("packed", "mapped"))
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -166,9 +168,9 @@ class OrtBackend(Backend):
     def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, weights: str | None = "auto",
                  verifier: str | None = "auto", spin: bool | None = None):
         """verifier: "auto" runs the bundle's fused verifier when it has one (dspark-export fuse), "portable"
-        never, "fused" insists on it. spin: session_options' (None: on)."""
+        never, "fused" insists on it. spin: session_options' (None: off)."""
         self.weights = weights_mode(folder, manifest, weights)
-        opts = session_options(threads, self.weights, spin is not False)
+        opts = session_options(threads, self.weights, bool(spin))
         verifier = _known_choice(verifier or "auto", VERIFIERS, "verifier")
         if verifier == "fused" and "verifier_fused" not in manifest.graphs:
             raise DSparkError(f"bundle {folder} has no fused verifier; add one with `dspark-export fuse {folder}`")

@@ -93,7 +93,7 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
                          engine=EngineOptions(batch_size=batch_size, policy=parsed, max_queue=max_queue,
                                               max_context=max_context),
                          backend=backend, threads=threads, weights=ort_weights(backend, weights),
-                         spin=False if no_spin else None, grace=grace, max_connections=max_connections,
+                         spin=not no_spin, grace=grace, max_connections=max_connections,
                          request_timeout=request_timeout)
     serve(config, host, port, log_level, access_log)
 

@@ -25,7 +25,7 @@ class ServeConfig:
     backend: str = "onnxruntime"
     threads: int | None = None
     weights: str | None = "auto"  # ONNX Runtime: packed, mapped or auto (dspark.runtime.ort_backend); None otherwise
-    spin: bool | None = None  # ONNX Runtime: threads spin between kernels (None: on; dspark.runtime.Runtime)
+    spin: bool = True  # ONNX Runtime's threads spin between kernels while a graph runs (Runtime's spin)
     grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_body_bytes: int = 1 << 20
     request_timeout: float = 30.0  # seconds a client has for a request's headers, and again for its body (408)
@@ -54,7 +54,8 @@ class ServerState:
         /health 503 until then)."""
         try:
             self.runtime = Runtime(self.config.bundle, backend=self.config.backend, threads=self.config.threads,
-                                   weights=self.config.weights, spin=self.config.spin)
+                                   weights=self.config.weights,
+                                   spin=self.config.spin if self.config.backend == "onnxruntime" else None)
             if self.draining:  # SIGTERM while loading: start nothing more (close() frees what is loaded)
                 return
             self.chat = ChatRenderer(self.runtime.tokenizer)

@@ -10,8 +10,11 @@ from dspark.runtime.kv import HostKV
 
 
 def test_reserve_makes_the_buffers_resident_and_keeps_them_zero():
-    kv = HostKV(layers=4, batch=8, kv_heads=2, capacity=1024, head_dim=64, what="target")  # 64 MiB, mapped only
+    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so fresh pages that nothing has touched (a smaller
+    # buffer may reuse heap memory that is resident already)
+    kv = HostKV(layers=4, batch=8, kv_heads=2, capacity=2048, head_dim=64, what="target")
     size = sum(b.nbytes for b in kv.buffers)
+    assert size == 64 << 20
     before = _resident()
     kv.reserve()
     grown = _resident() - before
