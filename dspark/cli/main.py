@@ -15,7 +15,7 @@ from dspark.cli.cache import cache_group
 from dspark.cli.check import check_cmd
 from dspark.cli.deepspec import deepspec_cmd
 from dspark.cli.demo import demo_cmd
-from dspark.cli.options import WEIGHTS_OPTION, ort_weights, run_policy, sampling_options, sampling_params
+from dspark.cli.options import WEIGHTS_OPTION, ort_only, ort_weights, run_policy, sampling_options, sampling_params
 from dspark.cli.quantize import fuse_cmd, quantize_cmd
 from dspark.errors import DSparkError, exit_report, on_sigterm, raise_terminated
 from dspark.prompts import dev_prompts_path, read_prompts
@@ -171,6 +171,7 @@ def run_cmd(bundle, prompt, max_tokens, temperature, seed, policy, threshold_rul
     from dspark.calibration.sps import ensure_sps_table
     from dspark.runtime import DecodeOptions, Runtime
 
+    ort_only(backend, threads=threads is not None)
     policy = run_policy(policy, ar, threshold, gate)
     ar = policy.is_ar
     options = DecodeOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy,

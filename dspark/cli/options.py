@@ -41,6 +41,15 @@ def ort_weights(backend: str, weights: str) -> str | None:
     return None
 
 
+def ort_only(backend: str, **given) -> None:
+    """Refuse ONNX Runtime's thread flags (given: flag name -> whether the user set it) with another backend
+    rather than ignore them."""
+    named = [name.replace("_", "-") for name, on in given.items() if on]
+    if backend != "onnxruntime" and named:
+        raise DSparkError(f"--{named[0]} applies to ONNX Runtime only: {backend} runs its engines on the GPU "
+                          f"with threads of its own (drop --{named[0]})")
+
+
 def sampling_options(command):
     """`dspark run`'s sampling parameters beyond --temperature (dspark.runtime.sampling)."""
     options = [

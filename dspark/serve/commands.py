@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dspark.cli.options import WEIGHTS_OPTION, ort_weights
+from dspark.cli.options import WEIGHTS_OPTION, ort_only, ort_weights
 
 POLICY_HELP = ("The engine's verify policy: all, fixed:N, static:T, schedule, topk, or ar (each but ar also +gate); "
                "auto (the default): schedule+gate when the bundle has an SPS table, else ar.")
@@ -87,6 +87,7 @@ def serve_cmd(bundle, demo, host, port, batch_size, policy, gate, max_queue, max
     from dspark.serve.names import served
     from dspark.serve.server import ServeConfig, serve
 
+    ort_only(backend, threads=threads is not None, no_spin=no_spin)
     parsed = engine_policy(policy, gate)
     target = served(bundle, demo, model_name)
     config = ServeConfig(bundle=target.bundle, model_name=target.model_name, aliases=target.aliases,

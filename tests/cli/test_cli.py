@@ -181,6 +181,8 @@ def test_quantize_cli_refuses_the_verifier_and_reports_what_it_did(bundle):
 def test_weights_mode_of_another_backend_is_refused_not_ignored(bundle):
     code, out = run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt", "--weights", "mapped")
     one_line_error(code, out, "ONNX Runtime only")
+    code, out = run(main_cli, "run", bundle, "--prompt", "w1", "--backend", "tensorrt", "--threads", 2)
+    one_line_error(code, out, "--threads applies to ONNX Runtime only")
 
 
 def test_run_with_the_draft_gate(bundle):

@@ -111,7 +111,9 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
 @pytest.mark.parametrize("args, says", [(["--policy", "all", "--gate"], "SPS table"),
                                         (["--policy", "sometimes"], "policy"), (["--gate"], "policy you name"),
                                         (["--batch-size", "0"], "auto"),
-                                        (["--backend", "tensorrt", "--weights", "mapped"], "ONNX Runtime only")])
+                                        (["--backend", "tensorrt", "--weights", "mapped"], "ONNX Runtime only"),
+                                        (["--backend", "tensorrt", "--no-spin"], "--no-spin applies to ONNX Runtime"),
+                                        (["--backend", "tensorrt", "--threads", "2"], "--threads applies to ONNX")])
 def test_a_server_that_cannot_start_says_why_in_one_line(tiny_bundle_v6, args, says):
     import subprocess
     import sys
