@@ -4,7 +4,7 @@
   2. the engine at concurrency 1 with rounds sized to the live rows vs the old full-width rounds;
   3. at concurrency 4 and --batch-size, tokens/s of drafting (--policy) vs autoregressive requests, and a round
      of the drafting engine that the gate skips vs an autoregressive round (per-round wall time from the engine's
-     round callbacks), with the drafted rounds the gate still runs.
+     round callbacks, and its part outside the verifier step), with the drafted rounds the gate still runs.
 
 Variants take turns in every repetition, so the VM's drift hits them alike.
 
@@ -28,20 +28,31 @@ from dspark.runtime.engine_request import EngineObserver, RequestOptions, RoundS
 
 
 class RoundClock(EngineObserver):
-    """Wall time between consecutive round callbacks, by whether the round drafted."""
+    """Wall time between consecutive round callbacks, by whether the round drafted, and of a plain round the part
+    outside its verifier step (`host`: the slot machine's own work, which the VM's drift in step times hides)."""
+
+    wants: set = set()  # as a slot machine's RoundObserver: the verifier time of each round
 
     def __init__(self):
-        self.last: float | None = None
-        self.seconds: dict[str, list[float]] = {"drafted": [], "plain": []}
+        self.reset()
 
-    def round(self, stats: RoundStats) -> None:
+    def round(self, record) -> None:
+        if not isinstance(record, RoundStats):  # the slot machine's record, just before the engine's stats
+            self.verify = record.verify_seconds
+            return
         now = time.perf_counter()
         if self.last is not None:
-            self.seconds["drafted" if stats.drafted else "plain"].append(now - self.last)
+            kind = "drafted" if record.drafted else "plain"
+            self.seconds[kind].append(now - self.last)
+            if kind == "plain":
+                self.seconds["host"].append(now - self.last - self.verify)
         self.last = now
 
+    def prefilled(self, record) -> None:
+        pass
+
     def reset(self) -> None:
-        self.last, self.seconds = None, {"drafted": [], "plain": []}
+        self.last, self.verify, self.seconds = None, 0.0, {"drafted": [], "plain": [], "host": []}
 
 
 def verifier_step_ms(rt: Runtime, prompt: list[int], rows: int, capacity: int, tokens: int) -> float:
@@ -74,19 +85,22 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--policy", default="schedule+gate")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-spin", action="store_true", help="Threads sleep between kernels (dspark serve --no-spin).")
     args = ap.parse_args()
-    rt = Runtime(args.bundle)
+    rt = Runtime(args.bundle, spin=not args.no_spin)  # as dspark serve runs it
     prompts = [rt.encode(r["prompt"]) for r in dev_rows(None, per_domain=3)][:args.batch_size]
     prompts = (prompts * args.batch_size)[:args.batch_size]
     clock = RoundClock()
     engine = Engine(rt, EngineOptions(batch_size=args.batch_size, policy=args.policy,
                                       max_context=args.max_context), observer=clock).start()
+    engine.slots.observers.append(clock)
     engine.warm_up(prompts[0], 8)
     steps = {1: [], args.batch_size: []}
     c1 = {"live_rows": {"ar": [], "dspark": []}, "all_rows": {"ar": [], "dspark": []}}
     levels = sorted({4, args.batch_size})
     full = {c: {"ar": [], "dspark": []} for c in levels}
-    rounds = {c: {"ar_plain": [], "dspark_plain": [], "dspark_drafted": []} for c in levels}
+    rounds = {c: {"ar_plain": [], "dspark_plain": [], "dspark_drafted": [], "ar_host": [], "dspark_host": []}
+              for c in levels}
     for rep in range(args.reps):
         for rows in (steps if rep % 2 == 0 else list(steps)[::-1]):
             steps[rows].append(verifier_step_ms(rt, prompts[0], rows, args.max_context, args.max_tokens))
@@ -102,6 +116,7 @@ def main():
                 full[c][policy].append(engine_tokens_per_s(engine, prompts, c, args.max_tokens,
                                                            "ar" if policy == "ar" else None))
                 rounds[c][f"{policy}_plain"] += clock.seconds["plain"]
+                rounds[c][f"{policy}_host"] += clock.seconds["host"]
                 if policy == "dspark":
                     rounds[c]["dspark_drafted"] += clock.seconds["drafted"]
         print(json.dumps({"rep": rep, "step_ms": steps, "c1": c1, "full": full}), flush=True)
