@@ -27,32 +27,40 @@ from dspark.runtime.engine import Engine, EngineOptions  # noqa: E402
 from dspark.runtime.engine_request import EngineObserver, RequestOptions, RoundStats  # noqa: E402
 
 
-class RoundClock(EngineObserver):
-    """Wall time between consecutive round callbacks, by whether the round drafted, and of a plain round the part
-    outside its verifier step (`host`: the slot machine's own work, which the VM's drift in step times hides)."""
+class VerifyTime:
+    """The slot machine's RoundObserver: the verifier step time of the latest round."""
 
-    wants: set = set()  # as a slot machine's RoundObserver: the verifier time of each round
+    wants: set = set()
 
     def __init__(self):
-        self.reset()
+        self.seconds = 0.0
 
     def round(self, record) -> None:
-        if not isinstance(record, RoundStats):  # the slot machine's record, just before the engine's stats
-            self.verify = record.verify_seconds
-            return
-        now = time.perf_counter()
-        if self.last is not None:
-            kind = "drafted" if record.drafted else "plain"
-            self.seconds[kind].append(now - self.last)
-            if kind == "plain":
-                self.seconds["host"].append(now - self.last - self.verify)
-        self.last = now
+        self.seconds = record.verify_seconds
 
     def prefilled(self, record) -> None:
         pass
 
+
+class RoundClock(EngineObserver):
+    """Wall time between consecutive round callbacks, by whether the round drafted, and of a plain round the part
+    outside its verifier step (`host`: the slot machine's own work, which the VM's drift in step times hides)."""
+
+    def __init__(self):
+        self.verify = VerifyTime()  # told of each round by the slot machine just before the engine's stats
+        self.reset()
+
+    def round(self, stats: RoundStats) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            kind = "drafted" if stats.drafted else "plain"
+            self.seconds[kind].append(now - self.last)
+            if kind == "plain":
+                self.seconds["host"].append(now - self.last - self.verify.seconds)
+        self.last = now
+
     def reset(self) -> None:
-        self.last, self.verify, self.seconds = None, 0.0, {"drafted": [], "plain": [], "host": []}
+        self.last, self.seconds = None, {"drafted": [], "plain": [], "host": []}
 
 
 def verifier_step_ms(rt: Runtime, prompt: list[int], rows: int, capacity: int, tokens: int) -> float:
@@ -93,7 +101,7 @@ def main():
     clock = RoundClock()
     engine = Engine(rt, EngineOptions(batch_size=args.batch_size, policy=args.policy,
                                       max_context=args.max_context), observer=clock).start()
-    engine.slots.observers.append(clock)
+    engine.slots.observers.append(clock.verify)
     engine.warm_up(prompts[0], 8)
     steps = {1: [], args.batch_size: []}
     c1 = {"live_rows": {"ar": [], "dspark": []}, "all_rows": {"ar": [], "dspark": []}}
