@@ -57,9 +57,10 @@ def test_fuse_adds_a_graph_of_fused_operators_sharing_the_weights(fused, laned):
     model = onnx.load(str(laned / FUSED_FILE), load_external_data=False)
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == layers and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
-    assert ops["If"] == layers  # lanes 1.. of a layer: nested Ifs, each running one more lane's attention
+    # lanes 1.. of a layer: nested Ifs, each running one more lane's attention; one If for the acceptance
+    assert ops["If"] == layers + 1
     everywhere = Counter(n.op_type for n in _all_nodes(model.graph))
-    assert everywhere["If"] == layers * (LANES - 1) and everywhere["GroupQueryAttention"] == layers * LANES
+    assert everywhere["If"] == layers * (LANES - 1) + 1 and everywhere["GroupQueryAttention"] == layers * LANES
     portable = onnx.load(str(fused / "verifier.onnx"), load_external_data=False)
     single = onnx.load(str(fused / FUSED_FILE), load_external_data=False)
     assert len(single.graph.node) < 0.55 * len(portable.graph.node)  # (both end in the same ~60-node acceptance)
@@ -461,3 +462,40 @@ def test_a_prefill_returns_the_prompts_entries_only(fused, length):
     portable_kv = rt.backend.verifier.portable.run(feeds)["new_kv"].numpy()
     assert fused_kv.shape == portable_kv.shape and fused_kv.shape[-2] == length
     assert np.allclose(fused_kv, portable_kv, atol=1e-4)
+
+
+def test_a_greedy_step_decides_as_the_sampled_acceptance_does(fused):
+    """Every request greedy: the fused graph's argmax branch (dspark.export.twins.greedy_accept). Each request's
+    drafts are its greedy continuation up to a wrong token at a row of its own; the branch must accept the
+    matching prefix within verify_len and correct with the argmax after it, as the copied acceptance decides the
+    same rows in a step with one sampled request beside them."""
+    rt = _runtime(fused, "fused")
+    verifier, vocab = rt.backend.verifier, rt.manifest.target["vocab_size"]
+    dec = rt.decoder([prompts(1, seed=9)[0]], DecodeOptions(max_tokens=4))
+
+    def step(tokens, verify_len, temperature):
+        b, s = tokens.shape
+        past, mask = dec.kv.prefill_feeds(b)
+        feeds = {"tokens": tokens, "past_mask": mask, "logit_index": np.tile(np.arange(s), (b, 1)),
+                 "verify_len": verify_len, "temperature": temperature,
+                 "accept_noise": np.full((b, s), 0.5, np.float32), "sample_noise": np.full(b, 0.5, np.float32),
+                 "draft_probs": np.zeros((b, 1, vocab), np.float32), **past}
+        out = verifier.run(feeds, ["logits"])
+        return out["accepted"].numpy(), out["next_token"].numpy(), out["logits"].numpy()
+
+    rows = 6
+    tokens = np.random.default_rng(4).integers(0, vocab, (3, rows)).astype(np.int64)
+    greedy = np.zeros(3, np.float32)
+    for j in range(rows - 1):  # the greedy continuation: every draft matches
+        tokens[:, j + 1] = step(tokens, np.zeros(3, np.int64), greedy)[2][:, j].argmax(-1)
+    wrong_at = np.array([0, 2, rows - 1])  # row j judges tokens[j + 1]; the last request: none wrong
+    for b, j in enumerate(wrong_at[:2]):
+        tokens[b, j + 1] = (tokens[b, j + 1] + 1) % vocab
+    verify_len = np.array([3, 5, 3])
+    accepted, next_token, logits = step(tokens, verify_len, greedy)
+    assert accepted.tolist() == np.minimum(wrong_at, verify_len).tolist() == [0, 2, 3]
+    assert next_token.tolist() == [int(logits[b, a].argmax()) for b, a in enumerate(accepted)]
+    mixed = step(np.vstack([tokens, tokens[:1]]), np.append(verify_len, 1), np.append(greedy, 1.0).astype(np.float32))
+    assert mixed[0][:3].tolist() == accepted.tolist() and mixed[1][:3].tolist() == next_token.tolist()
+    ifs = [n for n in onnx.load(str(fused / FUSED_FILE), load_external_data=False).graph.node if n.op_type == "If"]
+    assert [n.name for n in ifs if "acceptance" in n.name]  # the step above took the If's argmax branch

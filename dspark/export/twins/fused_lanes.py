@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from dspark.bundle import GraphSpec, TensorSpec
+from dspark.export.graphs import past_names
 from dspark.export.twins.graph_copy import GraphBuilder
 from dspark.runtime.fused_verifier import lane_name
 
@@ -158,3 +160,14 @@ def _floats(*values: ir.Value) -> list[ir.Value]:
     for value in values:
         value.type = ir.TensorType(FLOAT)
     return list(values)
+
+
+def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int, lanes: int = 1) -> GraphSpec:
+    """The manifest entry: the portable verifier's inputs and lanes 1..'s caches; its outputs but the caches'
+    present.* (and the lanes') for new_kv."""
+    outputs = [t for t in portable.outputs if t.name != "new_kv"]
+    outputs += [TensorSpec(name.replace("past", "present", 1), "float32", ["batch", kv_heads, "present", hd])
+                for name in past_names("past", layers)]
+    as_specs = [[TensorSpec(name, "float32", shape) for name, shape in specs]
+                for specs in lane_specs(lanes, layers, kv_heads, hd)]
+    return GraphSpec(file=file, inputs=list(portable.inputs) + as_specs[0], outputs=outputs + as_specs[1])

@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from dspark.bundle import GraphSpec, Manifest, TensorSpec, sha256_file
+from dspark.bundle import GraphSpec, Manifest, sha256_file
 from dspark.errors import DSparkError
-from dspark.export.graphs import past_names
 from dspark.export.quantize.nbits_graph import resolve
 from dspark.export.quantize.weight_stream import load_skeleton
 from dspark.export.twins.catalog import unfusable
-from dspark.export.twins.fused_lanes import FLOAT, INT32, INT64, Lanes, lane_specs, rope_tables
+from dspark.export.twins.fused_lanes import FLOAT, INT32, INT64, Lanes, fused_spec, lane_specs, rope_tables
 from dspark.export.twins.fused_linears import ROLES, Linear, Projections, find_linears
 from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, described, write_own_data
+from dspark.export.twins.greedy_accept import greedy_or_copied
 from dspark.files import normal_mode
 
 MS = "com.microsoft"
@@ -198,16 +198,28 @@ class _FusedVerifier:
         with b.scope("norm"):
             hidden = b.add("SkipSimplifiedLayerNormalization", [update, residual, _weight(b, self.norm_gamma)], 4,
                            MS, epsilon=self.eps)[0]
-        after_norm = {self.norm_out: hidden}  # one copy of the LM head for every tail output
+        tails = self._tail({self.norm_out: hidden})
         for o in self.tail:
-            tail = b.copy(g.values[o], after_norm, "tail")
             with b.scope("outputs"):
-                b.add("Identity", [tail], names=[o])
+                b.add("Identity", [tails[o]], names=[o])
         tap_values = [taps[t] for t in tap_ids]
         with b.scope("outputs"):
             b.add("Concat" if len(tap_values) > 1 else "Identity", tap_values, names=["taps"],
                   **({"axis": -1} if len(tap_values) > 1 else {}))
         return self._model()
+
+    def _tail(self, after_norm: dict) -> dict[str, ir.Value]:
+        """The tail outputs, copied after the final norm (one copy of the LM head for all), the acceptance behind
+        an If that takes a greedy step's argmax rule (dspark.export.twins.greedy_accept)."""
+        b, values = self.b, self.g.values
+        if set(self.tail) != set(TAIL_OUTPUTS):  # (an older bundle: no logits)
+            return {o: b.copy(values[o], after_norm, "tail") for o in self.tail}
+        logits = b.copy(values["logits"], after_norm, "tail")
+        with b.scope("acceptance"):
+            accepted, next_token = greedy_or_copied(b, logits, lambda: tuple(
+                b.copy(values[o], after_norm, "tail") for o in ("accepted", "next_token")),
+                (values["accepted"], values["next_token"]))
+        return {"logits": logits, "accepted": accepted, "next_token": next_token}
 
     def _model(self) -> ir.Model:
         """The new graph: the portable verifier's inputs and lanes 1..'s caches; accepted, next_token, taps as the
@@ -351,17 +363,6 @@ def default_lanes(manifest: Manifest) -> int:
     one GroupQueryAttention, which lanes (one call per request, two rows each) would slow down
     (bench/fused_lanes.py)."""
     return LANES if manifest.quantized_activations("verifier") else 1
-
-
-def fused_spec(portable: GraphSpec, file: str, layers: int, kv_heads: int, hd: int, lanes: int = 1) -> GraphSpec:
-    """The manifest entry: the portable verifier's inputs and lanes 1..'s caches; its outputs but the caches'
-    present.* (and the lanes') for new_kv."""
-    outputs = [t for t in portable.outputs if t.name != "new_kv"]
-    outputs += [TensorSpec(name.replace("past", "present", 1), "float32", ["batch", kv_heads, "present", hd])
-                for name in past_names("past", layers)]
-    as_specs = [[TensorSpec(name, "float32", shape) for name, shape in specs]
-                for specs in lane_specs(lanes, layers, kv_heads, hd)]
-    return GraphSpec(file=file, inputs=list(portable.inputs) + as_specs[0], outputs=outputs + as_specs[1])
 
 
 FUSED_FILE = "verifier_fused.onnx"
