@@ -14,7 +14,8 @@ verifier's layer is ~90 nodes of reshapes, slices and elementwise RoPE; this one
 The graph is built from the portable verifier's skeleton (no weight is read): every projection is copied as it
 stands there (a MatMul by an fp32 weight, or MatMulNBits with the Q4_1 minimum term), found by the module name its
 weight or node carries, so the fused graph uses the same weights, at the same offsets of the same data files. The
-embedding lookup and everything after the final norm (LM head, in-graph acceptance) are copied unchanged.
+embedding lookup and everything after the final norm (LM head, in-graph acceptance) are copied unchanged, the
+acceptance behind an If whose other branch decides a step of greedy requests by argmax (greedy_accept).
 
 ONNX Runtime's CPU GroupQueryAttention takes several positions per request only at batch 1 (or with an empty
 past), so the graph runs each request's attention on its own, in lanes (dspark.export.twins.fused_lanes): every other
