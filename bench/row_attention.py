@@ -22,12 +22,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
+from bundle_concurrency import tokens_per_s
 from common import ROOT, dev_rows, machine, write_json
 
 from dspark.bundle import Manifest, sha256_file  # noqa: E402
@@ -38,8 +38,6 @@ from dspark.export.twins.ort_fused import FUSED_FILE, MS, _FusedVerifier, _inv_f
 from dspark.runtime import DecodeOptions, Runtime  # noqa: E402
 from dspark.runtime.backend import ON_DEMAND, STEP_OUTPUTS  # noqa: E402
 from dspark.runtime.decoder import Decoder  # noqa: E402
-from dspark.runtime.engine import Engine, EngineOptions  # noqa: E402
-from dspark.runtime.engine_request import RequestOptions  # noqa: E402
 from dspark.runtime.fused_verifier import FusedVerifier, _HostArray  # noqa: E402
 from dspark.runtime.kv import IN_CACHE  # noqa: E402
 
@@ -192,20 +190,6 @@ def greedy(rt: Runtime, prompts: list[list[int]], batch: int, policy: str, token
     return out
 
 
-def engine_tokens_per_s(rt: Runtime, prompts: list[list[int]], concurrency: int, tokens: int, context: int,
-                        reps: int) -> list[float]:
-    engine = Engine(rt, EngineOptions(batch_size=max(concurrency, 1), policy="ar", max_context=context)).start()
-    engine.warm_up(prompts[0], 8)
-    runs = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        requests = [engine.submit(p, RequestOptions(max_tokens=tokens, policy="ar")) for p in prompts[:concurrency]]
-        n = sum(len(r.wait().token_ids) for r in requests)
-        runs.append(n / (time.perf_counter() - start))
-    engine.close()
-    return runs
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
@@ -240,7 +224,7 @@ def main():
         for name in order:
             rt = runtime(*variants[name])
             for c in (1, 8):
-                speed[name][f"c{c}"] += engine_tokens_per_s(rt, prompts, c, args.max_tokens, args.max_context, 1)
+                speed[name][f"c{c}"].append(tokens_per_s(rt, prompts, [c], args.max_tokens, args.max_context)[c])
             rt.close()
         print(json.dumps({"rep": rep, "speed": speed}), flush=True)
     report = {"bundle": str(args.bundle), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
