@@ -22,14 +22,14 @@ from common import dev_rows, machine, write_json
 
 def variant(bundle: Path, lanes: int, work: Path) -> Path:
     from dspark.bundle import Manifest
-    from dspark.export.twins.ort_fused import add_fused_verifier
+    from dspark.export.twins.fused_bundle import add_fused_verifier
     from dspark.files import linked_copy
 
     folder = work / f"{bundle.name}-lanes{lanes}"
     if not folder.exists():
         linked_copy(bundle, folder)
         manifest = Manifest.read(folder)
-        add_fused_verifier(folder, manifest, lanes=lanes)
+        add_fused_verifier(folder, manifest, "gqa", lanes)
         manifest.write(folder)
     return folder
 

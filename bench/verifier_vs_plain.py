@@ -102,6 +102,7 @@ def main() -> None:
     torch.set_num_threads(2)
     cache = HostKV(layers, 1, kvh, args.past + 8, hd)
     cache.commit(0, args.past)
+    cache.fit(8)
     draft_probs = np.zeros((1, manifest.block_size, manifest.target["vocab_size"]), dtype=np.float32)
 
     def hf_step(t: int):

@@ -104,6 +104,7 @@ class Step:
                                                 opts), lambda: portable)
         cache = HostKV(t["num_layers"], 1, t["num_kv_heads"], past + max(positions) + 1, t["head_dim"])
         cache.commit(0, past)
+        cache.fit(max(positions))
         probs = np.zeros((1, self.manifest.block_size, t["vocab_size"]), np.float32)
         self.feeds = {n: step_feeds(cache, n, probs) for n in positions}
 

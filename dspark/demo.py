@@ -13,7 +13,7 @@ from pathlib import Path
 from dspark.bundle import Manifest, sha256_file
 from dspark.calibration.sps import ensure_sps_table
 from dspark.errors import DSparkError
-from dspark.export.twins.catalog import LABELS, missing_twins
+from dspark.export.twins.catalog import LABELS, fusable, missing_twins
 from dspark.extras import EXPORT
 from dspark.prompts import demo_prompts_path, read_prompts
 from dspark.resolve import DRAFTS, cache_dir, resolve_draft, resolve_target
@@ -24,6 +24,7 @@ DEMO_DRAFT = "smollm2-135m-dspark"
 DEMO_DRAFT_VOCAB = 16384  # heads draft from the 16K most frequent tokens: 2.2x cheaper, same greedy tau
 
 Say = Callable[[str], None]
+CPU_ACCURACY_LEVEL = 4  # MatMulNBits round activations to int8 (docs/serving.md: 1.5x an 8-request step)
 
 
 @dataclass(frozen=True)
@@ -140,24 +141,38 @@ def ensure_demo_bundle(plan: DemoPlan, weights: str, say: Say) -> None:
 
 def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
     """The demo's "gguf" weights: the verifier multiplies by the GGUF file's own blocks (the same weights the file
-    holds, with fp32 activations: batches of requests stay batched), the draft heads by 8-bit weights. Decoding
-    stays exact with respect to that verifier, which is the model the user chose. `options`: QuantizeOptions
-    fields."""
-    done = Manifest.read(bundle).quantized
-    if "heads" in done and "verifier" in done:
+    holds) with activations rounded to int8 per block, as llama.cpp's own kernels for these blocks round theirs
+    (its fused twin then has row attention: batches of requests stay batched and exact), the draft heads by 8-bit
+    weights. Decoding stays exact with respect to that verifier, which is the model the user chose. `options`:
+    QuantizeOptions fields."""
+    manifest = Manifest.read(bundle)
+    done = manifest.quantized
+    # a demo bundle made before the demo rounded the verifier's activations: only the graphs' levels change
+    fp32_activations = "verifier" in done and bool(done["verifier"].get("gguf_blocks")) \
+        and not manifest.quantized_activations("verifier")
+    if "heads" in done and "verifier" in done and not fp32_activations:
         return
     if any(importlib.util.find_spec(m) is None for m in ("onnx", "onnx_ir", "gguf")):
         say(f"note: {bundle.name} keeps its fp32 {' and '.join(g for g in ('verifier', 'heads') if g not in done)} "
             f"(the GGUF's blocks and 8-bit heads are faster on CPU); quantizing needs {EXPORT}; decoding as it is")
         return
-    from dspark.export.quantize.bundle import describe_record, quantize_graph
+    from dspark.export.quantize.bundle import QuantizeOptions, describe_record, quantize_graph, relevel_bundle
 
+    level = cpu_accuracy_level(manifest)
+    if fp32_activations and level:
+        say("rounding the verifier's activations to int8, as the GGUF's blocks are multiplied on CPU (once) ...")
+        relevel_bundle(bundle, manifest, ["verifier"], QuantizeOptions(accuracy_level=level))
     if "heads" not in done:
         say("quantizing the draft heads to 8 bits (once) ...")
         quantize_graph(bundle, "heads", **options)
     if "verifier" not in done:
         say("making the verifier multiply by the GGUF file's own blocks (once; about half a minute) ...")
-        say("  " + describe_record("verifier", quantize_graph(bundle, "verifier", accuracy_level=0, **options)))
+        say("  " + describe_record("verifier", quantize_graph(bundle, "verifier", accuracy_level=level, **options)))
+
+def cpu_accuracy_level(manifest: Manifest) -> int:
+    """CPU_ACCURACY_LEVEL where the bundle can have a fused verifier (whose row attention keeps int8 activations
+    exact in batches), else 0: fp32 activations, which the portable verifier keeps exact."""
+    return CPU_ACCURACY_LEVEL if fusable(manifest) else 0
 
 
 def add_missing_twins(bundle: Path, manifest: Manifest, say: Say) -> None:
@@ -195,6 +210,8 @@ def bundle_label(manifest: Manifest, backend: str = "ONNX Runtime") -> str:
     formats = list((manifest.quantized.get("verifier", {}).get("gguf_blocks") or {}).get("formats", {}))
     if formats:  # the file's own blocks: name them, as the user knows the file by them
         quantized["verifier"] = f"verifier on the GGUF's own {_joined(formats)} blocks"
+    if "verifier" in quantized and manifest.quantized_activations("verifier"):
+        quantized["verifier"] += " (int8 activations)"
     plain = [g for g in graphs if g not in quantized]
     parts = [f"{manifest.precision} {_joined(plain)}"] if plain else []
     return f"{backend}, {', '.join(parts + list(quantized.values()))}, batch 1"

@@ -37,6 +37,7 @@ def verifier_step_seconds(rt, cache, positions: list[int], reps: int, warmup: in
     rounds. The counts are timed in turn within each repetition, so drift of the machine's speed (frequent on
     shared VMs) hits them alike and their ratios hold."""
     manifest = rt.manifest
+    cache.fit(max(positions))  # (a host cache: as wide as the steps reach)
     draft_probs = rt.backend.zeros((len(cache.lengths), manifest.block_size, manifest.target["vocab_size"]),
                                    dtype=np.float32)
     feeds = {n: step_feeds(cache, n, draft_probs) for n in positions}

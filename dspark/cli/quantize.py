@@ -66,12 +66,12 @@ def quantize_cmd(bundle, graph_list, graphs, bits, head_bits, block_size, accura
 @click.option("--rebuild", is_flag=True, help="Rebuild the ones BUNDLE already has too.")
 def fuse_cmd(bundle, rebuild):
     """Add ONNX Runtime's own graphs to BUNDLE, made from its portable ones with the same weights (no copy): the
-    fused verifier (GroupQueryAttention writing the KV cache in place, SkipSimplifiedLayerNormalization) and the
+    fused verifier (attention writing the KV cache in place, SkipSimplifiedLayerNormalization) and the
     greedy heads (all-greedy rounds skip the sampling machinery). `dspark run` uses them on CPU; TensorRT builds
     keep the portable graphs."""
     from dspark.bundle import Manifest
     from dspark.export.twins.ort_graphs import fuse_bundle, possible_twins
-    from dspark.runtime.fused_verifier import lane_count
+    from dspark.export.twins.fused_bundle import default_attention
 
     manifest = Manifest.read(bundle)
     had_sps = "sps_table" in manifest.calibration
@@ -82,10 +82,9 @@ def fuse_cmd(bundle, rebuild):
     for name, why in done.items():
         click.echo(f"{bundle}: {'wrote ' + files[name] if why is None else why}")
     if "verifier_fused" in done and done["verifier_fused"] is None:
-        fused = Manifest.read(bundle).graphs["verifier_fused"]
-        lanes = lane_count([t.name for t in fused.inputs])
+        rows = default_attention(Manifest.read(bundle)) == "rows"
         click.echo("ONNX Runtime only: the portable verifier stays for TensorRT" +
-                   (f"; steps of up to {lanes} requests run fused" if lanes > 1 else
+                   ("; every step runs fused (attention over the cache's rows)" if rows else
                     " and for multi-position steps of several requests"))
         if had_sps:
             click.echo(f"the SPS table timed the verifier steps before this one and is dropped: run "

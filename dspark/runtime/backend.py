@@ -91,6 +91,9 @@ class CacheLengths:
                               f"positions, {self.holder} {self.capacity}; shorten the prompt or max_tokens"
                               f"{self.hint}")
 
+    def fit(self, positions: int) -> None:
+        """Size the cache for a step of `positions` new entries per slot (a no-op where it is laid out at capacity)."""
+
     def commit(self, b: int, length: int) -> None:
         """Set request b's valid length: growing commits written entries, shrinking rolls back."""
         old = int(self.lengths[b])
@@ -114,6 +117,7 @@ class KVState(Protocol):
     def past_mask(self) -> Any: ...
     def write(self, new: Any, row: int, count: int, slot: int | None = None) -> None: ...
     def commit(self, b: int, length: int) -> None: ...
+    def fit(self, positions: int) -> None: ...
     def check_room(self, b: int, count: int, request: int | None = None) -> None: ...
 
 

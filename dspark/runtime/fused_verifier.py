@@ -10,8 +10,13 @@ from dspark.runtime.backend import ON_DEMAND, STEP_OUTPUTS
 from dspark.runtime.kv import IN_CACHE
 
 
+ATTENTION_KEY = "dspark.attention"  # a fused graph's metadata: "rows" (dspark.export.twins.row_attention)
+
+
 class Graph(Protocol):
     outputs: list[str]
+    inputs: list[str]
+    metadata: dict[str, str]
 
     def run(self, feeds: dict, into: dict[str, np.ndarray] | None = None, fetch: list[str] | None = None,
             binding=None) -> dict: ...
@@ -39,7 +44,9 @@ class FusedVerifier:
       (present.* bound to the memory of past.*), and new_kv is IN_CACHE.
     - several positions of several requests: the portable graph (GroupQueryAttention refuses that on CPU).
 
-    A fused graph with lanes (dspark.export.twins.fused_lanes) takes every step of up to `lanes` requests itself, each
+    A graph with row attention (dspark.export.twins.row_attention) takes every step of any batch itself, writing
+    the new K/V in place, each request's rows computed as in its batch-1 steps. A fused graph with lanes
+    (dspark.export.twins.fused_lanes) takes every step of up to `lanes` requests itself, each
     request's cache bound in place to its lane (more requests run in groups); the rules above and below are for a
     graph built before lanes.
 
@@ -53,12 +60,14 @@ class FusedVerifier:
     def __init__(self, fused: Graph, portable: Callable[[], Graph], alone: bool = False):
         """portable: what loads the portable graph when a step first needs it (a batch-1 session never does, and
         each ONNX Runtime session holds its own copy of the weights it prepacks)."""
-        self.fused, self._load_portable, self._portable, self.alone = fused, portable, None, alone
+        self.fused, self._load_portable, self._portable = fused, portable, None
         self.layers = sum(1 for name in fused.outputs if name.startswith("present.")) // 2
         self.caches = [(f"past.{i}.{kind}", f"present.{i}.{kind}") for i in range(self.layers)
                        for kind in ("key", "value")]
         self.steps = {"prefill": 0, "fused": 0, "portable": 0}
         self.lanes = lane_count(fused.inputs)
+        self.rows = fused.metadata.get(ATTENTION_KEY) == "rows"
+        self.alone = alone and not self.rows
         self._idle: dict[tuple[int, ...], tuple] = {}  # (dummy cache, binding), see _idle_lanes
 
     @property
@@ -72,6 +81,8 @@ class FusedVerifier:
         logits)."""
         batch, positions = feeds["tokens"].shape
         wanted = (*STEP_OUTPUTS, *(name for name in fetch or () if name in ON_DEMAND))
+        if self.rows:
+            return self._rows_step(feeds, batch, wanted)
         if self.lanes > 1:
             if batch > self.lanes:
                 return self._in_groups(feeds, batch, self.lanes, wanted)
@@ -132,6 +143,28 @@ class FusedVerifier:
         new = [np.concatenate([out[lane_name(lane, present)].numpy()[:, :, :positions] for lane in range(batch)])
                for _, present in self.caches]
         return {**result, "new_kv": _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))}
+
+    def _rows_step(self, feeds: dict, batch: int, wanted: tuple[str, ...]) -> dict:
+        """A step of a row-attention graph: in place (a prefill: on an empty cache as wide as the prompts)."""
+        positions = feeds["tokens"].shape[1]
+        if not np.any(feeds["past_mask"]):
+            self.steps["prefill"] += 1
+            past = feeds[self.caches[0][0]]
+            empty = np.zeros((batch, past.shape[1], positions, past.shape[3]), dtype=np.float32)
+            out = self.fused.run({**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64),
+                                  **{p: empty for p, _ in self.caches}}, fetch=[*wanted, *(p for _, p in self.caches)])
+            new = np.stack([out[present].numpy() for _, present in self.caches])
+            return {**{name: out[name] for name in wanted},
+                    "new_kv": _HostArray(new.reshape(self.layers, 2, *new.shape[1:]))}
+        self.steps["fused"] += 1
+        caches = {past: feeds[past] for past, _ in self.caches}
+        in_place = all(_writable(a) for a in caches.values())
+        if not in_place:  # (a comparison's arrays) a copy takes the new K/V, returned as arrays
+            caches = {past: np.array(a, dtype=np.float32, order="C") for past, a in caches.items()}
+        out = self.fused.run({**feeds, **caches}, {present: caches[past] for past, present in self.caches},
+                             list(wanted))
+        new_kv = IN_CACHE if in_place else self._written(feeds, caches)
+        return {**{name: out[name] for name in wanted}, "new_kv": new_kv}
 
     def _idle_lanes(self, batch: int, shape: tuple[int, ...]):
         """A binding of the fused graph with the lanes past `batch` bound to one dummy cache (their attention does

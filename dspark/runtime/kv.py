@@ -21,26 +21,80 @@ class _InCache:
 IN_CACHE = _InCache()
 
 
+WINDOW_STEP = 64  # the least step of the buffers' width (wider caches grow and shrink by an eighth)
+
+
+def _columns(end: int, capacity: int) -> int:
+    """The width a cache takes for entries up to `end`: rounded up to its step."""
+    step = max(WINDOW_STEP, end // 8 // WINDOW_STEP * WINDOW_STEP)
+    return min(capacity, max(WINDOW_STEP, -(-end // step) * step))
+
+
 class HostKV(CacheLengths):
-    """buffer [L, 2, B, Hkv, capacity, hd]; lengths[b] = valid prefix of request b. A target whose layers differ in
+    """buffer [L, 2, B, Hkv, width, hd]; lengths[b] = valid prefix of request b. A target whose layers differ in
     KV geometry (dspark.kv_layout: `groups`) has one such buffer per group in `buffers` (`buffer` is the one of a
     uniform cache).
 
     Appending writes the new entries in place (O(new)); rollback is a length change (O(1)). Graphs take each
-    layer's keys and values as separate inputs, which are contiguous views of its group's buffer, and a [B, capacity]
+    layer's keys and values as separate inputs, which are contiguous views of its group's buffer, and a [B, width]
     0/1 mask of the valid prefixes, so nothing is copied per step.
+
+    The buffers are `width` columns wide, not `capacity`: a step of WINDOW_STEP (an eighth of wider widths) above the
+    longest valid prefix (fit, before each step). Attention that reads every column (the portable graph,
+    dspark.export.twins.row_attention) then costs what the live requests need, not what the longest could. Each
+    buffer is a view of the start of one allocation of `capacity` columns (made resident by reserve): a new width
+    moves every (layer, slot, head) row of entries within it, O(valid entries), no allocation.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",
                  prefix: str = "past", groups: Sequence[KVGroup] | None = None):
         groups = list(groups or [KVGroup(kv_heads, head_dim, tuple(range(layers)))])
         layers = sum(len(g.layers) for g in groups)
-        super().__init__(layers, batch, capacity, what, prefix)
+        super().__init__(layers, batch, 0, what, prefix)
+        self.capacity = capacity
         self.groups = groups
-        self.buffers = [np.zeros((len(g.layers), 2, batch, g.num_kv_heads, capacity, g.head_dim), dtype=np.float32)
-                        for g in groups]
         self.place = {layer: (gi, j) for gi, g in enumerate(groups) for j, layer in enumerate(g.layers)}
+        self._memory = [np.zeros(len(g.layers) * 2 * batch * g.num_kv_heads * capacity * g.head_dim, np.float32)
+                        for g in groups]
+        self.buffers: list[np.ndarray] = []
+        self.version = 0  # counts re-layings (views of the buffers taken before one are stale)
+        self._lay(min(capacity, WINDOW_STEP))
+
+    @property
+    def width(self) -> int:
+        """Columns the buffers have now: the graphs attend over all of them."""
+        return self._mask.shape[1]
+
+    def fit(self, positions: int) -> None:
+        """Size the buffers for a step writing `positions` entries after every slot's valid prefix: wide enough,
+        and narrowed when the longest prefix needs at most half of them (a long request left)."""
+        need = _columns(int(self.lengths.max()) + positions, self.capacity)
+        if need > self.width or 2 * need <= self.width:
+            self._lay(need)
+
+    def commit(self, b: int, length: int) -> None:
+        if length > self.width:
+            self._lay(_columns(length, self.capacity))
+        super().commit(b, length)
+
+    def _lay(self, width: int) -> None:
+        """Re-lay the buffers and the mask `width` columns wide, keeping what fits (every valid prefix does)."""
+        old = self.width
+        keep = min(width, old) if self.buffers else 0
+        laid = []
+        for g, memory in zip(self.groups, self._memory):
+            size = g.head_dim  # floats per column
+            rows = memory.size // (self.capacity * size)  # (layer, K|V, slot, head) rows
+            # rows move up (wider) from the last, down (narrower) from the first: none is overwritten before it moves
+            for r in (range(rows - 1, 0, -1) if width > old else range(1, rows)) if keep else ():
+                memory[r * width * size:(r * width + keep) * size] = memory[r * old * size:(r * old + keep) * size]
+            laid.append(memory[:rows * width * size].reshape(len(g.layers), 2, len(self.lengths), g.num_kv_heads,
+                                                              width, size))
+        mask = np.zeros((len(self.lengths), width), dtype=np.int64)
+        mask[:, :keep] = self._mask[:, :keep]
+        self.buffers, self._mask = laid, mask
         self.feeds = {name: self.layer(i)[j] for name, i, j in self.names}
+        self.version += 1
 
     @property
     def buffer(self) -> np.ndarray:
@@ -50,16 +104,16 @@ class HostKV(CacheLengths):
         return self.buffers[0]
 
     def layer(self, i: int) -> np.ndarray:
-        """Layer i's [2, B, Hkv, capacity, hd] (a view)."""
+        """Layer i's [2, B, Hkv, width, hd] (a view)."""
         g, j = self.place[i]
         return self.buffers[g][j]
 
     def reserve(self) -> None:
         """Touch every page of the buffers: numpy's zeros are only mapped, and the first write into each page of a
         slot's region faults it in (a prompt's K/V written into a slot never used before took 16-360 ms on this
-        VM, stalling the whole batch); after this, those writes cost what later ones do."""
-        for buffer in self.buffers:
-            buffer.fill(0.0)
+        VM, stalling the whole batch); after this, those writes cost what later ones do. (Empties the cache.)"""
+        for memory in self._memory:
+            memory.fill(0.0)
 
     def prefill_feeds(self, n: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Past K/V and mask for a prefill of n requests: nothing is valid yet, so a 1-position dummy cache."""
@@ -77,6 +131,8 @@ class HostKV(CacheLengths):
             return
         slot = row if slot is None else slot
         at = int(self.lengths[slot])
+        if at + count > self.width:
+            self._lay(_columns(at + count, self.capacity))
         for buffer, part in zip(self.buffers, [new] if isinstance(new, np.ndarray) else new):
             buffer[:, :, slot, :, at:at + count] = part[:, :, row, :, :count]
 
@@ -107,18 +163,31 @@ class HostRows:
 
 
 class LeadingKV:
-    """The first n slots of a HostKV as the graphs read them (views: no copy); writes go to the whole cache."""
+    """The first n slots of a HostKV as the graphs read them (views: no copy, taken again after the whole re-lays
+    its buffers); writes go to the whole cache."""
 
     def __init__(self, whole: HostKV, n: int):
-        self.whole = whole
-        self.feeds = {name: whole.feeds[name][:n] for name, _, _ in whole.names}
+        self.whole, self.n = whole, n
         self.lengths = whole.lengths[:n]
-        self._mask = whole.past_mask()[:n]
+        self._seen = -1  # the whole's version the views below are of
+
+    @property
+    def feeds(self) -> dict[str, np.ndarray]:
+        self._views()
+        return self._feeds
 
     def past_mask(self) -> np.ndarray:
+        self._views()
         return self._mask
 
-    def __getattr__(self, name):  # write, commit, check_room, room, capacity: slot indices are the whole's
+    def _views(self) -> None:
+        whole = self.whole
+        if self._seen != whole.version:
+            self._feeds = {name: whole.feeds[name][:self.n] for name, _, _ in whole.names}
+            self._mask = whole.past_mask()[:self.n]
+            self._seen = whole.version
+
+    def __getattr__(self, name):  # write, commit, fit, check_room, room, capacity: slot indices are the whole's
         return getattr(self.whole, name)
 
 

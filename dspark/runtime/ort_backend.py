@@ -119,6 +119,7 @@ class OrtGraph:
         self.name = name
         self.outputs = want_out
         self.inputs = want_in
+        self.metadata = dict(self.session.get_modelmeta().custom_metadata_map)
 
     def binding(self, feeds: dict[str, np.ndarray | ort.OrtValue]) -> ort.IOBinding:
         """A binding with these inputs bound; run(binding=) binds the rest (and rebinds what it is given)."""
@@ -204,7 +205,7 @@ class OrtBackend(Backend):
 
     def prepare(self, max_batch: int) -> None:
         if max_batch > 1 and isinstance(self.verifier, FusedVerifier) and not self.verifier.alone \
-                and self.verifier.lanes == 1:
+                and self.verifier.lanes == 1 and not self.verifier.rows:
             self.verifier.portable  # multi-position steps of several requests run on it (0.8 s to load, fp32 SmolLM2)
 
     def kv_cache(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, what: str = "KV",

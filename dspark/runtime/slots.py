@@ -19,10 +19,9 @@ queued request while the other slots go on. Each round mirrors dspark.models.ref
 
 Noise is per request (dspark.noise), so a request's tokens do not depend on the other requests in flight.
 
-On host backends (ONNX Runtime) a round computes only the leading rows that hold live requests: live requests are
-kept in the leading slots (a request leaving a slot below a live one has that one moved down, its cache prefix
-copied once), and the round reads `Rows`, views of the first n slots made once per n. One live request pays a
-one-row step, not a batch step. Device backends (TensorRT) compute every slot each round.
+On host backends (ONNX Runtime) a round computes the leading rows that hold live requests (kept there: one leaving
+a slot below a live one has that one moved down) through `Rows`, views of the first n slots, over caches as wide as
+the longest live request (HostKV.fit). Device backends (TensorRT) compute every slot each round.
 """
 from __future__ import annotations
 
@@ -278,6 +277,7 @@ class Slots:
         logit_index = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
         accept = stack(noises, 1 if plain else self.block_size + 1)[:, :t]
         t0 = time.perf_counter()
+        rows.kv.fit(t)
         step = self._verify(rows.kv.feeds, rows.kv.past_mask(), tokens, logit_index, record.verify_len,
                             rows.temperature, accept, stack(noises, 1)[:, 0], draft_probs, np.arange(b))
         record.verify_seconds = time.perf_counter() - t0
@@ -300,6 +300,7 @@ class Slots:
     def _draft(self, rows: Rows, drafting: np.ndarray, noises: list, record: RoundRecord):
         """Draft + heads for the drafting rows: (draft tokens, their probabilities, drafts to verify per row)."""
         t0 = time.perf_counter()
+        rows.draft_kv.fit(0)  # narrowed when a long request left (a write widens it)
         out = self.graphs.run("draft", {"ctx_features": rows.ctx.feed(), "ctx_count": rows.ctx.count,
                                         "anchor": rows.anchor, "past_mask": rows.draft_kv.past_mask(),
                                         **rows.draft_kv.feeds})
@@ -371,8 +372,7 @@ class Slots:
 
     def _take(self, slot: int, request: SlotRequest, tokens: list[int]) -> list[int]:
         """Append tokens to the request up to a stop token or its max_tokens; returns what was appended."""
-        res = request.result
-        out = []
+        res, out = request.result, []
         for tok in tokens:
             out.append(tok)
             if tok in self.stop_ids:

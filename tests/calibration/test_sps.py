@@ -18,7 +18,8 @@ def test_step_timing_interleaves_positions_so_drift_cancels(monkeypatch):
     monkeypatch.setattr(sps, "clock", lambda: now[0])
     rt = SimpleNamespace(manifest=SimpleNamespace(block_size=7, target={"vocab_size": 5}),
                          backend=SimpleNamespace(zeros=np.zeros, verifier=SimpleNamespace(run=run)))
-    cache = SimpleNamespace(lengths=np.zeros(2), past_mask=lambda: np.ones((2, 4), np.int64), feeds={})
+    cache = SimpleNamespace(lengths=np.zeros(2), past_mask=lambda: np.ones((2, 4), np.int64), feeds={},
+                            fit=lambda positions: None)
     seconds = sps.verifier_step_seconds(rt, cache, [1, 8], reps=9, warmup=2)
     assert calls == [1, 8] * 11
     assert seconds[8] / seconds[1] == pytest.approx(1.5, rel=0.04)

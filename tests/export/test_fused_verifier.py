@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from dspark.bundle import Manifest, sha256_file
 from dspark.cli import export_cli
 from dspark.errors import DSparkError
-from dspark.export.twins.ort_fused import FUSED_FILE, LANES, add_fused_verifier
+from dspark.export.twins.fused_bundle import FUSED_FILE, add_fused_verifier
+from dspark.export.twins.ort_fused import LANES
 from dspark.export.twins.ort_graphs import TWINS, fuse_bundle
 from dspark.export.quantize.bundle import QuantizeOptions, quantize_bundle
 from dspark.files import linked_copy
@@ -97,7 +98,7 @@ def _all_nodes(graph):
 def _with_lanes(fused: Path, folder: Path, lanes: int) -> Path:
     linked_copy(fused, folder)
     man = Manifest.read(folder)
-    add_fused_verifier(folder, man, lanes=lanes)
+    add_fused_verifier(folder, man, "gqa", lanes)
     man.write(folder)
     return folder
 
@@ -171,9 +172,10 @@ def test_quantizing_the_verifier_rebuilds_its_fused_twin(fused, tmp_path):
     assert man.graphs["verifier_fused"].sha256 == sha256_file(q / FUSED_FILE) != old
     ops = Counter(n.op_type for n in onnx.load(str(q / FUSED_FILE), load_external_data=False).graph.node)
     layers = man.target["num_layers"]
-    # q/k/v and gate/up each one MatMulNBits over concatenated blocks (stored beside the graph), o and down, head
-    assert ops["MatMulNBits"] == 4 * layers + 1 and ops["MatMul"] == 0
-    assert ops["Split"] == layers * (2 if man.target["family"] == "qwen3" else 1)  # llama: q/k/v stay packed
+    # q/k/v and gate/up each one MatMulNBits over concatenated blocks (stored beside the graph), o and down, head;
+    # int8 activations: row attention, whose MatMuls are its scores and weighted values
+    assert ops["MatMulNBits"] == 4 * layers + 1 and ops["MatMul"] == 2 * layers
+    assert ops["Split"] == 2 * layers  # gate/up, q/k/v (llama: split by the attention; qwen3: for its q/k norms)
     assert (q / f"{FUSED_FILE}.data").stat().st_size > 0
     assert sha256_file(fused / FUSED_FILE) == old  # the source bundle is untouched
     ps = prompts(4, seed=6)
@@ -362,15 +364,13 @@ def test_a_step_that_fills_the_cache_leaves_out_the_padding_row(fused):
 
 @pytest.mark.parametrize("lanes", [LANES, 1])
 def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(fused, tmp_path, lanes):
-    """int8 activations turn a rounding apart into different tokens, and only a batch-1 attention computes every
-    position alike: several requests' steps run each request's attention in its own lane (a fused graph built
+    """int8 activations turn a rounding apart into different tokens, and only a batch-1 GroupQueryAttention computes
+    every position alike: several requests' steps run each request's attention in its own lane (a fused graph built
     without lanes runs them one request at a time), so each request gets its batch-1 tokens, bit for bit."""
     q = tmp_path / "q"
     linked_copy(fused, q)
     quantize_bundle(q, ["verifier"], QuantizeOptions(bits=8, min_elements=0, agreement_prompts=0))
-    if lanes != LANES:
-        _with_lanes(q, q.with_name("one"), lanes)
-        q = q.with_name("one")
+    q = _with_lanes(q, q.with_name(f"gqa{lanes}"), lanes)  # (by default: row attention, test_row_attention)
     man = Manifest.read(q)
     assert man.quantized_activations("verifier") and not Manifest.read(fused).quantized_activations("verifier")
     ps = [[2]] + prompts(4, seed=4)  # a one-token prompt: prefilled alone on one row (plus its copy), or with others
@@ -398,7 +398,7 @@ def test_a_verifier_with_int8_activations_gives_each_request_its_batch_1_tokens(
 
 def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fused, tmp_path):
     """`quantize --accuracy-level` on a quantized verifier: only the graphs' levels change (the weights' data
-    files are the same files), the fused twin is rebuilt at the new level (with lanes for int8 activations), and
+    files are the same files), the fused twin is rebuilt at the new level (row attention for int8 activations), and
     greedy DSpark still equals AR."""
     q = tmp_path / "q"
     linked_copy(fused, q)
@@ -416,7 +416,7 @@ def test_accuracy_levels_of_a_quantized_verifier_change_without_requantizing(fus
     man = Manifest.read(q)
     assert man.quantized_activations("verifier") and "agreement" not in man.quantized["verifier"]
     assert data.stat().st_ino == inode  # the weights were not rewritten
-    assert lane_count([t.name for t in man.graphs["verifier_fused"].inputs]) == LANES
+    assert onnx.load(str(q / FUSED_FILE), load_external_data=False).metadata_props[0].value == "rows"
     for graph in ("verifier", "verifier_fused"):
         path = q / man.graphs[graph].file
         assert man.graphs[graph].sha256 == sha256_file(path)

@@ -48,10 +48,11 @@ def make_gguf_target(bundle: Path, path: Path) -> None:
     (Q4_1 and Q4_0 layers, a Q8_0 embedding tied to the LM head) and give the verifier the file's dequantized
     weights, as exporting that GGUF would; record the file as the bundle's target source."""
     model = onnx.load(str(bundle / "verifier.onnx"))
+    vocab = Manifest.read(bundle).target["vocab_size"]
     inits = {i.name: i for i in model.graph.initializer}
     writer = GGUFWriter(str(path), "llama")
     for w in constant_matmul_weights(ir.serde.deserialize_model(model)):
-        name, fmt = gguf_name(w.source, w.shape[1] == V)
+        name, fmt = gguf_name(w.source, w.shape[1] == vocab)
         qtype = GGMLQuantizationType[fmt]
         raw = quantize(np.ascontiguousarray(w.weight.T), qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
@@ -213,24 +214,52 @@ def test_quantize_scores_a_mapped_reference_on_the_finished_staged_bundle(gguf_b
     assert manifest.quantized["verifier"]["agreement"] == records["verifier"]["agreement"]
 
 
-def test_the_demo_quantizes_its_own_bundle_for_cpu_once(gguf_bundle, tmp_path):
-    from dspark.demo import bundle_label, quantize_for_cpu
+@pytest.fixture(scope="module")
+def fusable_gguf(tmp_path_factory):
+    """A tiny Llama pair whose verifier can be fused (head_dim 16) made a GGUF target's, not quantized."""
+    from support.tiny import tiny_bundle
+
+    root = tmp_path_factory.mktemp("fusable-gguf")
+    *_, bundle = tiny_bundle(root / "bundle", family="llama", vocab=24, layers=2, block_size=4, seed=5, hidden=64)
+    make_gguf_target(bundle, root / "tiny.gguf")
+    return bundle
+
+
+def test_the_demo_quantizes_its_own_bundle_for_cpu_once(fusable_gguf, gguf_bundle, tmp_path):
+    from dspark.demo import add_missing_twins, bundle_label, quantize_for_cpu
+    from dspark.export.quantize.bundle import relevel_bundle
 
     bundle = tmp_path / "demo"
-    shutil.copytree(gguf_bundle[0], bundle)
+    shutil.copytree(fusable_gguf, bundle)
     said = []
     quantize_for_cpu(bundle, said.append, min_elements=0, **AGREEMENT)
     manifest = Manifest.read(bundle)
     assert manifest.quantized["heads"]["bits"] == 8
     blocks = manifest.quantized["verifier"]["gguf_blocks"]
     assert set(blocks["formats"]) == {"Q4_1", "Q4_0", "Q8_0"} and set(blocks["max_abs_weight_diff"].values()) == {0}
-    assert manifest.quantized["verifier"]["layer_accuracy_levels"] == [0]  # fp32 activations: batches stay batched
+    assert manifest.quantized["verifier"]["layer_accuracy_levels"] == [4]  # int8 activations, as llama.cpp's
+    add_missing_twins(bundle, manifest, said.append)  # (as the demo does next)
+    assert Runtime(bundle).backend.verifier.rows  # row attention: batches stay batched, each request exact
     assert "verifier on the GGUF's own" in bundle_label(manifest) and "8-bit heads" in bundle_label(manifest)
     assert any("GGUF blocks" in line for line in said)
     before = (bundle / "manifest.json").read_bytes()
     quantize_for_cpu(bundle, said.append)  # once: a quantized bundle is left as it is
     assert (bundle / "manifest.json").read_bytes() == before
-    options = DecodeOptions(max_tokens=12, policy="all")
+    options = DecodeOptions(max_tokens=12, policy="all", batch_size=2)
     with Runtime(bundle) as rt:
-        assert [r.token_ids for r in rt.generate(prompts(2), options)] == \
-            [r.token_ids for r in rt.generate(prompts(2), DecodeOptions(max_tokens=12, policy="ar"))]
+        assert [r.token_ids for r in rt.generate(prompts(3), options)] == \
+            [r.token_ids for r in rt.generate(prompts(3), DecodeOptions(max_tokens=12, policy="ar"))]
+    # a demo bundle quantized before the demo rounded activations: its levels change, its weights stay
+    manifest = Manifest.read(bundle)
+    relevel_bundle(bundle, manifest, ["verifier"], QuantizeOptions(accuracy_level=0))
+    data = (bundle / f"{manifest.graphs['verifier'].file}.data").stat().st_ino
+    said.clear()
+    quantize_for_cpu(bundle, said.append)
+    assert Manifest.read(bundle).quantized["verifier"]["layer_accuracy_levels"] == [4]
+    assert any("activations to int8" in line for line in said)
+    assert (bundle / f"{manifest.graphs['verifier'].file}.data").stat().st_ino == data
+    # a target no fused verifier takes (head_dim 8) keeps fp32 activations, which its portable verifier keeps exact
+    other = tmp_path / "unfusable"
+    shutil.copytree(gguf_bundle[0], other)
+    quantize_for_cpu(other, said.append, min_elements=0, **AGREEMENT)
+    assert Manifest.read(other).quantized["verifier"]["layer_accuracy_levels"] == [0]

@@ -12,7 +12,10 @@ GIB = 1 << 30
 
 
 def test_slot_bytes_are_what_a_slot_allocates(runtime):
+    """(at most: host caches are as wide as the longest request needs, here the whole capacity)"""
     engine = Engine(runtime, EngineOptions(batch_size=1, policy="all"))
+    for kv in (engine.slots.kv, engine.slots.draft_kv):
+        kv.commit(0, engine.capacity)
     allocated = engine.slots.kv.buffer.nbytes + engine.slots.draft_kv.buffer.nbytes
     assert slot_bytes(runtime.manifest, engine.capacity) == allocated
 

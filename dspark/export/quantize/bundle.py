@@ -33,7 +33,7 @@ from dspark.export.quantize.gguf_blocks import Q4_1_MODES, NBitsWeight, read_mat
 from dspark.export.quantize.gguf_map import match_weights
 from dspark.export.quantize.nbits_graph import ConstWeight, NBitsWriter, constant_matmul_weights, probe_weight
 from dspark.export.quantize.weight_stream import DataSink, StoredWeights, compact, load_skeleton
-from dspark.export.twins.ort_fused import forget_step_costs
+from dspark.export.twins.fused_bundle import forget_step_costs
 from dspark.export.twins.ort_graphs import rebuild_twins
 from dspark.files import atomic_folder, linked_copy, normal_mode
 

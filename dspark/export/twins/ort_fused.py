@@ -30,19 +30,15 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from dspark.bundle import GraphSpec, Manifest, sha256_file
 from dspark.errors import DSparkError
 from dspark.export.quantize.nbits_graph import resolve
-from dspark.export.quantize.weight_stream import load_skeleton
 from dspark.export.twins.catalog import unfusable
-from dspark.export.twins.fused_lanes import FLOAT, INT32, INT64, Lanes, fused_spec, lane_specs, rope_tables
+from dspark.export.twins.fused_lanes import FLOAT, INT32, INT64, Lanes, lane_specs, rope_tables
 from dspark.export.twins.fused_linears import ROLES, Linear, Projections, find_linears
-from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, described, write_own_data
+from dspark.export.twins.graph_copy import GraphBuilder, GraphIndex, described
 from dspark.export.twins.greedy_accept import greedy_or_copied
-from dspark.files import normal_mode
 
 MS = "com.microsoft"
-SPS_KEYS = ("sps_table", "sps_measurements", "sps_context", "sps_backend")  # a verifier's measured step costs
 TAIL_OUTPUTS = ("accepted", "next_token", "logits")  # computed after the final norm (an older bundle: no logits)
 LANES = 8  # requests a fused step takes at once (more run in groups of LANES)
 
@@ -154,6 +150,8 @@ def fuse_verifier(model: ir.Model, target: dict, tap_ids: list[int], folder: Pat
 
 
 class _FusedVerifier:
+    padded = True  # a batch-1 step's attention runs on two rows at least (_PadToTwo)
+
     def __init__(self, model: ir.Model, target: dict, folder: Path | None, lanes: int):
         self.model, self.g = model, GraphIndex(model)
         self.layers, self.kv_heads, self.hd = target["num_layers"], target["num_kv_heads"], target["head_dim"]
@@ -175,7 +173,7 @@ class _FusedVerifier:
         for name, shape in self.lane_past:
             self.b.input(name, shape)
         with self.b.scope("pad"):
-            self.rows = _PadToTwo(self.b)
+            self.rows = _PadToTwo(self.b) if self.padded else None
         self.proj = Projections(self.b, self.linears, folder)
         self.gqa = {"num_heads": self.linears[(0, "q_proj")].out_features // self.hd, "kv_num_heads": self.kv_heads,
                     "do_rotary": 1, "rotary_interleaved": 0, "scale": float(self.hd) ** -0.5}
@@ -355,46 +353,3 @@ class _PadToTwo:
 
     def cut(self, value: ir.Value) -> ir.Value:
         return self.b.add("Slice", [value, self.zero, self.positions, self.one])[0]
-
-
-def default_lanes(manifest: Manifest) -> int:
-    """LANES for a verifier whose activations are quantized, else 1. With int8 activations each request's
-    attention must run as in a batch-1 step (_PadToTwo): without lanes, one step per request, each reading all the
-    weights. With fp32 activations the graph without lanes already runs one-position steps of several requests in
-    one GroupQueryAttention, which lanes (one call per request, two rows each) would slow down
-    (bench/fused_lanes.py)."""
-    return LANES if manifest.quantized_activations("verifier") else 1
-
-
-FUSED_FILE = "verifier_fused.onnx"
-
-
-def add_fused_verifier(folder: Path, manifest: Manifest, lanes: int | None = None) -> GraphSpec:
-    """Write the fused twin of folder's verifier next to it (sharing its data files) and enter it in `manifest`
-    (the caller writes the manifest). The verifier is read as a skeleton: no weight is loaded.
-
-    lanes: default_lanes()."""
-    spec = manifest.graphs["verifier"]
-    path = Manifest.path(folder, spec.file)
-    portable = load_skeleton(path)
-    if lanes is None:
-        lanes = default_lanes(manifest)
-    t = manifest.target
-    model = fuse_verifier(portable, t, list(manifest.draft["target_layer_ids"]), path.parent, lanes)
-    for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
-        (folder / name).unlink(missing_ok=True)  # may be a hard link into another copy of the bundle
-    write_own_data(model, folder, f"{FUSED_FILE}.data")  # its new (concatenated) weights, mostly
-    ir.save(model, folder / FUSED_FILE)
-    for name in (FUSED_FILE, f"{FUSED_FILE}.data"):
-        if (folder / name).exists():
-            normal_mode(folder / name)
-    fused = fused_spec(spec, FUSED_FILE, t["num_layers"], t["num_kv_heads"], t["head_dim"], lanes)
-    fused.sha256 = sha256_file(folder / FUSED_FILE)
-    manifest.graphs["verifier_fused"] = fused
-    return fused
-
-
-def forget_step_costs(manifest: Manifest) -> None:
-    """Drop the SPS table: the verifier steps it measured are not the ones the bundle takes any more."""
-    for key in SPS_KEYS:
-        manifest.calibration.pop(key, None)

@@ -18,7 +18,7 @@ from dspark.bundle import Manifest
 from dspark.errors import DSparkError
 from dspark.export.twins.catalog import LABELS, POSSIBLE, missing_twins, possible_twins, unfusable
 from dspark.export.twins.greedy_heads import add_greedy_heads
-from dspark.export.twins.ort_fused import add_fused_verifier, forget_step_costs
+from dspark.export.twins.fused_bundle import add_fused_verifier, forget_step_costs
 from dspark.files import atomic_folder, linked_copy
 
 # twin: (the portable graph it is built from, whether this bundle can have it, builder)
