@@ -35,6 +35,35 @@ def tokens_per_s(rt: Runtime, prompts: list[list[int]], levels: list[int], max_t
     return out
 
 
+def dev_prompts(bundle, count: int) -> list[list[int]]:
+    """`count` dev prompts as token ids (one per domain first, repeated as needed)."""
+    rt = Runtime(bundle)
+    prompts = [rt.encode(r["prompt"]) for r in dev_rows(None, per_domain=3)]
+    rt.close()
+    return (prompts * (1 + count // len(prompts)))[:count]
+
+
+def take_turns(bundles: dict, prompts: list[list[int]], concurrency: list[int], max_tokens: int, context: int,
+               reps: int) -> dict:
+    """Every bundle in turn each repetition (the order reversed every other one): the verifier step at 1 and 8 rows,
+    then engine tokens/s at each concurrency. Returns the report's verifier_step_ms and tokens_per_s."""
+    runs = {name: {c: [] for c in concurrency} for name in bundles}
+    steps = {name: {rows: [] for rows in (1, 8)} for name in bundles}
+    for rep in range(reps):
+        for name in (list(bundles) if rep % 2 == 0 else list(bundles)[::-1]):
+            rt = Runtime(bundles[name], spin=True)
+            for rows in steps[name]:
+                steps[name][rows].append(round(verifier_step_ms(rt, prompts[0], rows, context, max_tokens), 3))
+            for c, rate in tokens_per_s(rt, prompts, concurrency, max_tokens, context).items():
+                runs[name][c].append(round(rate, 2))
+            rt.close()
+        print(json.dumps({"rep": rep, "steps": steps, "runs": runs}), flush=True)
+    return {"verifier_step_ms": {name: {f"rows_{r}": {"median": round(float(np.median(v)), 3), "runs": v}
+                                        for r, v in by.items()} for name, by in steps.items()},
+            "tokens_per_s": {name: {f"c{c}": {"median": round(float(np.median(v)), 2), "runs": v}
+                                    for c, v in by.items()} for name, by in runs.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", action="append", required=True, metavar="NAME=PATH")
@@ -45,30 +74,11 @@ def main():
     ap.add_argument("--reps", type=int, default=4)
     args = ap.parse_args()
     bundles = dict(item.split("=", 1) for item in args.bundle)
-    first = Runtime(next(iter(bundles.values())))
-    prompts = [first.encode(r["prompt"]) for r in dev_rows(None, per_domain=3)]
-    first.close()
-    prompts = (prompts * (1 + max(args.concurrency) // len(prompts)))[:max(args.concurrency)]
-    runs = {name: {c: [] for c in args.concurrency} for name in bundles}
-    steps = {name: {rows: [] for rows in (1, 8)} for name in bundles}
-    for rep in range(args.reps):
-        for name in (list(bundles) if rep % 2 == 0 else list(bundles)[::-1]):
-            rt = Runtime(bundles[name], spin=True)
-            for rows in steps[name]:
-                ms = verifier_step_ms(rt, prompts[0], rows, args.max_context, args.max_tokens)
-                steps[name][rows].append(round(ms, 3))
-            for c, rate in tokens_per_s(rt, prompts, args.concurrency, args.max_tokens, args.max_context).items():
-                runs[name][c].append(round(rate, 2))
-            rt.close()
-        print(json.dumps({"rep": rep, "steps": steps, "runs": runs}), flush=True)
+    prompts = dev_prompts(next(iter(bundles.values())), max(args.concurrency))
     report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-              "verifier_step_ms": {name: {f"rows_{r}": {"median": round(float(np.median(v)), 3), "runs": v}
-                                          for r, v in by.items()} for name, by in steps.items()},
-              "tokens_per_s": {name: {f"c{c}": {"median": round(float(np.median(v)), 2), "runs": v}
-                                      for c, v in by.items()} for name, by in runs.items()}}
+              **take_turns(bundles, prompts, args.concurrency, args.max_tokens, args.max_context, args.reps)}
     write_json(args.out, report)
     print(json.dumps({k: report[k] for k in ("verifier_step_ms", "tokens_per_s")}, indent=1))
-
 
 if __name__ == "__main__":
     main()

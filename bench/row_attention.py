@@ -15,11 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
-from bundle_concurrency import tokens_per_s
-from common import ROOT, dev_rows, machine, write_json
-from serve_rows import verifier_step_ms
+from bundle_concurrency import dev_prompts, take_turns
+from common import ROOT, machine, write_json
 
 from dspark.bundle import Manifest  # noqa: E402
 from dspark.export.quantize.bundle import QuantizeOptions, relevel_bundle  # noqa: E402
@@ -71,10 +68,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     bundles = {name: variant(args.bundle, args.work / name, *spec) for name, spec in VARIANTS.items()}
-    first = Runtime(args.bundle)
-    prompts = [first.encode(r["prompt"]) for r in dev_rows(None, per_domain=3)]
-    first.close()
-    prompts = (prompts * (1 + max(args.concurrency) // len(prompts)))[:max(args.concurrency)]
+    prompts = dev_prompts(args.bundle, max(args.concurrency))
     exact = {}
     for name, bundle in bundles.items():
         rt = Runtime(bundle)
@@ -85,30 +79,14 @@ def main():
         exact[name] = {k: sum(a == b for a, b in zip(ar, got)) for k, got in checks.items()} | {"prompts": len(ar)}
         print(name, exact[name], flush=True)
         rt.close()
-    speed = {name: {c: [] for c in args.concurrency} for name in bundles}
-    steps = {name: {rows: [] for rows in (1, 8)} for name in bundles}
-    for rep in range(args.reps):
-        for name in (list(bundles) if rep % 2 == 0 else list(bundles)[::-1]):
-            rt = Runtime(bundles[name], spin=True)
-            for rows in steps[name]:
-                steps[name][rows].append(round(verifier_step_ms(rt, prompts[0], rows, args.max_context,
-                                                                args.max_tokens), 3))
-            for c, rate in tokens_per_s(rt, prompts, args.concurrency, args.max_tokens, args.max_context).items():
-                speed[name][c].append(round(rate, 2))
-            rt.close()
-        print(json.dumps({"rep": rep, "steps": steps, "speed": speed}), flush=True)
     report = {"bundle": str(args.bundle), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
               "variants": {name: dict(zip(("accuracy_level", "attention", "lanes"), spec))
                            for name, spec in VARIANTS.items()},
               "greedy_equal_to_ar_b1": exact,
-              "verifier_step_ms": {name: {f"rows_{r}": {"median": round(float(np.median(v)), 3), "runs": v}
-                                          for r, v in by.items()} for name, by in steps.items()},
-              "engine_tokens_per_s": {name: {f"c{c}": {"median": round(float(np.median(v)), 2), "runs": v}
-                                             for c, v in by.items()} for name, by in speed.items()}}
+              **take_turns(bundles, prompts, args.concurrency, args.max_tokens, args.max_context, args.reps)}
     write_json(args.out, report)
-    print(json.dumps({k: report[k] for k in ("greedy_equal_to_ar_b1", "verifier_step_ms", "engine_tokens_per_s")},
+    print(json.dumps({k: report[k] for k in ("greedy_equal_to_ar_b1", "verifier_step_ms", "tokens_per_s")},
                      indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -147,10 +147,11 @@ def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
     QuantizeOptions fields."""
     manifest = Manifest.read(bundle)
     done = manifest.quantized
+    level = cpu_accuracy_level(manifest)
     # a demo bundle made before the demo rounded the verifier's activations: only the graphs' levels change
-    fp32_activations = "verifier" in done and bool(done["verifier"].get("gguf_blocks")) \
+    relevel = level > 0 and "verifier" in done and bool(done["verifier"].get("gguf_blocks")) \
         and not manifest.quantized_activations("verifier")
-    if "heads" in done and "verifier" in done and not fp32_activations:
+    if "heads" in done and "verifier" in done and not relevel:
         return
     if any(importlib.util.find_spec(m) is None for m in ("onnx", "onnx_ir", "gguf")):
         say(f"note: {bundle.name} keeps its fp32 {' and '.join(g for g in ('verifier', 'heads') if g not in done)} "
@@ -158,8 +159,7 @@ def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
         return
     from dspark.export.quantize.bundle import QuantizeOptions, describe_record, quantize_graph, relevel_bundle
 
-    level = cpu_accuracy_level(manifest)
-    if fp32_activations and level:
+    if relevel:
         say("rounding the verifier's activations to int8, as the GGUF's blocks are multiplied on CPU (once) ...")
         relevel_bundle(bundle, manifest, ["verifier"], QuantizeOptions(accuracy_level=level))
     if "heads" not in done:
@@ -168,6 +168,7 @@ def quantize_for_cpu(bundle: Path, say: Say, **options) -> None:
     if "verifier" not in done:
         say("making the verifier multiply by the GGUF file's own blocks (once; about half a minute) ...")
         say("  " + describe_record("verifier", quantize_graph(bundle, "verifier", accuracy_level=level, **options)))
+
 
 def cpu_accuracy_level(manifest: Manifest) -> int:
     """CPU_ACCURACY_LEVEL where the bundle can have a fused verifier (whose row attention keeps int8 activations

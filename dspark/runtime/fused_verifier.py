@@ -145,17 +145,10 @@ class FusedVerifier:
         return {**result, "new_kv": _HostArray(np.array(new).reshape(self.layers, 2, *new[0].shape))}
 
     def _rows_step(self, feeds: dict, batch: int, wanted: tuple[str, ...]) -> dict:
-        """A step of a row-attention graph: in place (a prefill: on an empty cache as wide as the prompts)."""
-        positions = feeds["tokens"].shape[1]
-        if not np.any(feeds["past_mask"]):
+        """A step of a row-attention graph: in place, but a prefill."""
+        if not np.any(feeds["past_mask"]):  # its K/V scattered into an empty cache as wide as the prompts
             self.steps["prefill"] += 1
-            past = feeds[self.caches[0][0]]
-            empty = np.zeros((batch, past.shape[1], positions, past.shape[3]), dtype=np.float32)
-            out = self.fused.run({**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64),
-                                  **{p: empty for p, _ in self.caches}}, fetch=[*wanted, *(p for _, p in self.caches)])
-            new = np.stack([out[present].numpy() for _, present in self.caches])
-            return {**{name: out[name] for name in wanted},
-                    "new_kv": _HostArray(new.reshape(self.layers, 2, *new.shape[1:]))}
+            return self._prefill(feeds, feeds[self.caches[0][0]], batch, wanted, feeds["tokens"].shape[1])
         self.steps["fused"] += 1
         caches = {past: feeds[past] for past, _ in self.caches}
         in_place = all(_writable(a) for a in caches.values())
@@ -185,8 +178,9 @@ class FusedVerifier:
         new_kv = np.concatenate([o["new_kv"].numpy() for o in outs], axis=2)  # [L, 2, B, Hkv, positions, hd]
         return {**merged, "new_kv": _HostArray(new_kv)}
 
-    def _prefill(self, feeds: dict, past: np.ndarray, batch: int, wanted: tuple[str, ...]) -> dict:
-        empty = np.zeros((batch, past.shape[1], 0, past.shape[3]), dtype=np.float32)
+    def _prefill(self, feeds: dict, past: np.ndarray, batch: int, wanted: tuple[str, ...], width: int = 0) -> dict:
+        """A step on an empty past `width` columns wide; present.* hold the new K/V."""
+        empty = np.zeros((batch, past.shape[1], width, past.shape[3]), dtype=np.float32)
         feeds = {**feeds, "past_mask": np.zeros((batch, 0), dtype=np.int64), **{p: empty for p, _ in self.caches}}
         out = self.fused.run(feeds, fetch=[*wanted, *(present for _, present in self.caches)])
         positions = feeds["tokens"].shape[1]  # present.* also hold the padding row of a batch-1 prefill (ort_fused)

@@ -73,9 +73,13 @@ class HostKV(CacheLengths):
             self._lay(need)
 
     def commit(self, b: int, length: int) -> None:
-        if length > self.width:
-            self._lay(_columns(length, self.capacity))
+        self._reach(length)
         super().commit(b, length)
+
+    def _reach(self, end: int) -> None:
+        """Widen the buffers to hold entries up to `end` (never narrower: entries written and not committed stay)."""
+        if end > self.width:
+            self._lay(_columns(end, self.capacity))
 
     def _lay(self, width: int) -> None:
         """Re-lay the buffers and the mask `width` columns wide, keeping what fits (every valid prefix does)."""
@@ -131,8 +135,7 @@ class HostKV(CacheLengths):
             return
         slot = row if slot is None else slot
         at = int(self.lengths[slot])
-        if at + count > self.width:
-            self._lay(_columns(at + count, self.capacity))
+        self._reach(at + count)
         for buffer, part in zip(self.buffers, [new] if isinstance(new, np.ndarray) else new):
             buffer[:, :, slot, :, at:at + count] = part[:, :, row, :, :count]
 

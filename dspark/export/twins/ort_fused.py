@@ -21,7 +21,8 @@ ONNX Runtime's CPU GroupQueryAttention takes several positions per request only 
 past), so the graph runs each request's attention on its own, in lanes (dspark.export.twins.fused_lanes): every other
 kernel takes all the step's rows at once. A graph built with one lane (as before lanes existed) runs batch-1 steps,
 one-position steps and prefills, and the runtime takes the portable verifier for the rest
-(dspark.runtime.fused_verifier.FusedVerifier).
+(dspark.runtime.fused_verifier.FusedVerifier). A verifier with int8 activations gets this graph with its attention
+written as MatMul / Softmax over the cache instead (dspark.export.twins.row_attention), which takes every step.
 """
 from __future__ import annotations
 
